@@ -1,0 +1,96 @@
+"""Turning logits into the distributions that are sampled and verified.
+
+One function, :func:`logits_to_probs`, applies temperature, top-k and top-p in that order. The engine
+calls it with the *same* :class:`SamplingParams` for the draft and for the target, so the draft
+token is always drawn from exactly the distribution the verifier is handed.
+
+Temperature 0 means greedy decoding: the distribution is the one-hot vector of the argmax (ties
+broken towards the lowest token id, as ``torch.argmax`` does). With one-hot distributions the
+lossless rule reduces to exact match, so every rule stays well defined at temperature 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.errors import QuickdraftError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How logits become a sampling distribution.
+
+    Attributes
+    ----------
+    temperature:
+        0 for greedy decoding, otherwise the softmax temperature (> 0).
+    top_k:
+        Keep only the ``top_k`` most likely tokens (0 or ``None`` disables).
+    top_p:
+        Keep the smallest set of most likely tokens whose mass reaches ``top_p`` (1.0 disables).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise QuickdraftError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 0):
+            raise QuickdraftError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise QuickdraftError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def check_finite(logits: torch.Tensor, who: str) -> None:
+    """Raise a clear error if ``logits`` hold NaN (a broken model or dtype overflow)."""
+    if torch.isnan(logits).any():
+        raise QuickdraftError(f"{who} produced NaN logits; try --dtype float32 or check the model weights")
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Map logits ``[..., V]`` to float32 probabilities ``[..., V]`` under ``params``.
+
+    Greedy (temperature 0) returns one-hot vectors of the argmax. Otherwise: divide by the
+    temperature, mask everything outside the top-k, then everything outside the top-p nucleus
+    (the token that crosses ``top_p`` is kept, so at least one token always survives), softmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(logits)
+        out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return out
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if params.top_k and params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # mass strictly before each token; drop tokens whose preceding mass already reaches top_p
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def raw_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Temperature-1, unwarped distribution (used by divergence-based rules such as FSD)."""
+    return logits.float().softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row from ``probs [..., V]``; returns int64 ``[...]``."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])

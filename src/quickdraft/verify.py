@@ -85,6 +85,7 @@ def verify_chain(
     generator: torch.Generator | None = None,
     *,
     ctx: VerifyContext | None = None,
+    draft_lengths: torch.Tensor | None = None,
 ) -> Verification:
     """Verify a chain of K draft tokens per row against the target, in one batched call.
 
@@ -103,6 +104,10 @@ def verify_chain(
         Random source (overrides ``ctx.generator`` when given).
     ctx:
         Optional side information (raw distributions, absolute positions) for rules that use it.
+    draft_lengths:
+        Optional ``[B]`` int64: row ``b`` drafted only its first ``draft_lengths[b]`` tokens (the
+        rest is padding that is never accepted); a row that accepts all of its own drafts gets
+        its bonus token from ``target_probs[b, draft_lengths[b]]``.
 
     Returns
     -------
@@ -118,6 +123,8 @@ def verify_chain(
 
     if k > 0:
         accepted, lossy = rule.accept(draft_ids, draft_probs, target_probs[:, :k], ctx)
+        if draft_lengths is not None:
+            accepted = accepted & (torch.arange(k, device=device).unsqueeze(0) < draft_lengths.unsqueeze(1))
         prefix = accepted.long().cumprod(dim=-1)
         num_accepted = prefix.sum(dim=-1)
         num_lossy = (prefix.bool() & lossy).long().sum(dim=-1) if lossy is not None else torch.zeros_like(num_accepted)
@@ -126,14 +133,14 @@ def verify_chain(
         num_lossy = torch.zeros_like(num_accepted)
 
     p_next = target_probs[rows, num_accepted]
-    full = num_accepted == k
+    full = num_accepted == (k if draft_lengths is None else draft_lengths)
     last = torch.empty(b, dtype=torch.long, device=device)
     if full.any():
         idx = full.nonzero().squeeze(-1)
         last[idx] = rule.bonus(p_next[idx], _subset(ctx, idx), num_accepted[idx])
     if (~full).any():
         idx = (~full).nonzero().squeeze(-1)
-        pos = num_accepted[idx]
+        pos = num_accepted[idx].clamp_max(max(k - 1, 0))
         last[idx] = rule.correct(
             draft_ids[idx, pos], draft_probs[idx, pos], p_next[idx], _subset(ctx, idx), pos
         )

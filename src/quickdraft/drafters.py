@@ -1,0 +1,164 @@
+"""Drafters: who proposes the draft tokens. One class per kind of drafter.
+
+Every drafter implements ``start``, ``propose`` and ``commit``:
+
+``start(sequences)``
+    a new batch begins (``sequences`` is the list of token-id lists, prompts included).
+``propose(sequences, policy, rule, sampling, ctx) -> Draft``
+    draft up to ``policy.begin_step()`` tokens for every row, the same number of columns for all
+    rows; ``Draft.lengths`` says how many of them each row really drafted.
+``commit(sequences)``
+    the sequences after verification; the drafter drops whatever state is no longer valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.policies import Policy
+from quickdraft.rules import Rule, VerifyContext
+from quickdraft.runner import ModelRunner
+from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
+
+
+@dataclass
+class Draft:
+    ids: torch.Tensor  # [B, K] int64
+    probs: torch.Tensor  # [B, K, V] the distributions the ids were drawn from
+    lengths: torch.Tensor  # [B] int64, tokens actually drafted per row (<= K)
+    raw_probs: torch.Tensor | None = None  # [B, K, V] temperature-1 distributions, when the rule wants them
+    forwards: int = 0  # draft-model forwards spent
+
+
+def pending_block(sequences: list[list[int]], lengths: torch.Tensor, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded block of the tokens each row has not yet fed to a runner.
+
+    With ``sequences = [[5, 6, 7], [8, 9]]`` and ``lengths = [1, 1]`` the block is
+    ``[[6, 7], [pad, 9]]`` with validity ``[[1, 1], [0, 1]]``.
+    """
+    pending = [seq[int(n):] for seq, n in zip(sequences, lengths.tolist())]
+    width = max(1, max(len(p) for p in pending))
+    ids = torch.full((len(pending), width), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(pending), width), dtype=torch.bool)
+    for row, p in enumerate(pending):
+        if p:
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[row, width - len(p):] = True
+    return ids, valid
+
+
+class ModelDrafter:
+    """Draft with a smaller causal LM, one forward per draft token, through the rule's ``propose``."""
+
+    name = "model"
+
+    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size
+
+    def start(self, sequences: list[list[int]]) -> None:
+        self.runner.reset(len(sequences))
+
+    def prefill(self, sequences: list[list[int]]) -> None:
+        """Feed all but the last token of every sequence (the last one is fed by the first draft)."""
+        prefix = [seq[:-1] for seq in sequences]
+        if max(len(p) for p in prefix) > 0:
+            ids, valid = pending_block(prefix, self.runner.lengths)
+            self.runner.forward(ids, valid, logits_to_keep=1)
+
+    def propose(
+        self,
+        sequences: list[list[int]],
+        policy: Policy,
+        rule: Rule,
+        sampling: SamplingParams,
+        ctx: VerifyContext,
+        active: torch.Tensor,
+    ) -> Draft:
+        max_k = policy.begin_step()
+        ids, valid = pending_block(sequences, self.runner.lengths)
+        tokens, dists, raws = [], [], []
+        forwards = 0
+        for i in range(max_k):
+            out = self.runner.forward(ids, valid, logits_to_keep=1, output_hidden=policy.needs_hidden)
+            forwards += 1
+            logits = out.logits[:, -1]  # [B, V]
+            logits = logits[:, : self.vocab_size]
+            probs = logits_to_probs(logits, sampling)
+            token = rule.propose(probs, ctx, offset=i)  # [B]
+            tokens.append(token)
+            dists.append(probs)
+            if getattr(rule, "needs_raw", False):
+                raws.append(raw_probs(logits))
+            hidden = out.hidden[:, -1] if out.hidden is not None else None
+            if i + 1 < max_k and not policy.keep_drafting(i, probs, hidden):
+                break
+            ids, valid = token.unsqueeze(1), torch.ones_like(token.unsqueeze(1), dtype=torch.bool)
+        k = len(tokens)
+        lengths = torch.where(active, k, 0)
+        return Draft(
+            ids=torch.stack(tokens, dim=1),
+            probs=torch.stack(dists, dim=1),
+            lengths=lengths,
+            raw_probs=torch.stack(raws, dim=1) if raws else None,
+            forwards=forwards,
+        )
+
+    def commit(self, sequences: list[list[int]], valid_prefix: torch.Tensor) -> None:
+        """Keep the cached tokens that are still a prefix of the sequences (``valid_prefix [B]``)."""
+        self.runner.truncate(torch.minimum(self.runner.lengths, valid_prefix))
+
+
+class NGramDrafter:
+    """Prompt lookup decoding: copy the continuation of the latest earlier occurrence of the
+    sequence's last n-gram (n from ``max_ngram`` down to ``min_ngram``). No model, no forwards.
+
+    The draft distributions are one-hot at the copied tokens, so every rule verifies them exactly
+    (for the lossless rule a copied token is accepted with probability p(token)).
+    """
+
+    name = "ngram"
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not (1 <= min_ngram <= max_ngram):
+            from quickdraft.errors import QuickdraftError
+
+            raise QuickdraftError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def start(self, sequences: list[list[int]]) -> None:
+        return None
+
+    def prefill(self, sequences: list[list[int]]) -> None:
+        return None
+
+    def lookup(self, seq: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier match of the last n-gram."""
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            tail = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == tail:
+                    return seq[start + n:start + n + k]
+        return []
+
+    def propose(self, sequences, policy, rule, sampling, ctx, active) -> Draft:
+        max_k = policy.begin_step()
+        found = [self.lookup(seq, max_k) if bool(act) else [] for seq, act in zip(sequences, active.tolist())]
+        k = max(len(f) for f in found)
+        b = len(sequences)
+        ids = torch.zeros((b, k), dtype=torch.long)
+        for row, f in enumerate(found):
+            if f:
+                ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
+        probs = torch.zeros((b, k, self.vocab_size))
+        probs.scatter_(-1, ids.unsqueeze(-1), 1.0)
+        lengths = torch.tensor([len(f) for f in found], dtype=torch.long)
+        raw = probs if getattr(rule, "needs_raw", False) else None
+        return Draft(ids=ids, probs=probs, lengths=lengths, raw_probs=raw, forwards=0)
+
+    def commit(self, sequences, valid_prefix) -> None:
+        return None

@@ -1,0 +1,241 @@
+"""The generation loop: plain decoding and chain speculative decoding, batched.
+
+One step of chain speculative decoding, for every row of the batch at once::
+
+    1. draft     the drafter proposes up to K tokens (policy decides K), drawn through the rule
+    2. verify    one target forward over [pending token, draft tokens]           -> [B, K+1, V]
+    3. accept    verify_chain(draft_ids, draft_probs, target_probs, rule)        -> n per row
+    4. commit    append the n accepted tokens and the recovered-or-bonus token; roll both KV caches
+                 back to the part that is still a prefix of the sequence
+
+Plain decoding is the same step with K = 0: ``verify_chain`` then only emits the bonus token, so
+every rule (greedy, sampling, exponential race) also defines its own plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+
+from quickdraft.drafters import Draft, ModelDrafter, NGramDrafter, pending_block
+from quickdraft.errors import QuickdraftError
+from quickdraft.metrics import GenerationMetrics
+from quickdraft.policies import Constant, Policy
+from quickdraft.rules import Greedy, Lossless, Rule, VerifyContext
+from quickdraft.runner import ModelRunner
+from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
+from quickdraft.verify import verify_chain
+
+Method = Literal["ar", "sd", "ngram"]
+METHODS: tuple[str, ...] = ("ar", "sd", "ngram")
+
+#: called as ``on_tokens(row, new_token_ids)`` whenever a row gains tokens
+TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class GenerationOutput:
+    """Result of :func:`generate` for a batch.
+
+    Attributes
+    ----------
+    sequences: the new token ids of every row (prompt excluded).
+    metrics: one :class:`GenerationMetrics` per row.
+    batch_metrics: sums over rows, with the batch's wall times.
+    """
+
+    sequences: list[list[int]]
+    metrics: list[GenerationMetrics]
+    batch_metrics: GenerationMetrics
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+def default_rule(sampling: SamplingParams) -> Rule:
+    """Greedy exact match at temperature 0, lossless speculative sampling otherwise."""
+    return Greedy() if sampling.greedy else Lossless()
+
+
+def _stop_index(new_ids: list[int], eos_ids: set[int]) -> int | None:
+    for i, t in enumerate(new_ids):
+        if t in eos_ids:
+            return i
+    return None
+
+
+def generate(
+    target: ModelRunner,
+    prompts: list[list[int]],
+    *,
+    method: Method = "sd",
+    drafter: ModelDrafter | NGramDrafter | None = None,
+    rule: Rule | None = None,
+    policy: Policy | None = None,
+    sampling: SamplingParams = SamplingParams(),
+    max_new_tokens: int = 128,
+    seed: int | None = 0,
+    eos_token_ids: set[int] | None = None,
+    stop: Callable[[int, list[int]], int | None] | None = None,
+    on_tokens: TokenCallback | None = None,
+) -> GenerationOutput:
+    """Generate continuations of a batch of tokenised prompts.
+
+    Parameters
+    ----------
+    target:
+        The target model's runner.
+    prompts:
+        ``B`` lists of token ids (non-empty).
+    method:
+        ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` chain speculative decoding with ``drafter``.
+    drafter:
+        A :class:`ModelDrafter` (``"sd"``) or :class:`NGramDrafter` (``"ngram"``).
+    rule:
+        Acceptance rule (default: :func:`default_rule`).
+    policy:
+        Draft-length policy (default ``Constant(4)``).
+    sampling:
+        Temperature / top-k / top-p, applied identically to target and draft.
+    max_new_tokens:
+        Per row.
+    seed:
+        Seeds the random generator; same seed, same inputs -> same output.
+    eos_token_ids:
+        A row stops after emitting one of these (the EOS token is kept).
+    stop:
+        ``stop(row, new_ids) -> cut or None``: a row stops when it returns a cut index (e.g. for
+        stop strings); the new tokens are cut to ``new_ids[:cut]``.
+    on_tokens:
+        Streaming callback.
+    """
+    if method not in METHODS:
+        raise QuickdraftError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise QuickdraftError("empty prompt: every prompt needs at least one token")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise QuickdraftError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if method != "ar" and drafter is None:
+        raise QuickdraftError(f"method {method!r} needs a drafter")
+    rule = rule or default_rule(sampling)
+    policy = policy or Constant(4)
+    eos_ids = set(eos_token_ids or ())
+    vocab = int(target.model.config.vocab_size)
+    needed = max(len(p) for p in prompts) + max_new_tokens + (0 if method == "ar" else policy.begin_step() + 1)
+    if needed > target.max_positions:
+        raise QuickdraftError(
+            f"context overflow: prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"+ draft exceeds the target's maximum of {target.max_positions} tokens"
+        )
+
+    b = len(prompts)
+    generator = torch.Generator().manual_seed(int(seed) if seed is not None else int(torch.seed() % (1 << 62)))
+    sequences = [list(p) for p in prompts]
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    new_ids: list[list[int]] = [[] for _ in range(b)]
+    metrics = [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
+    active = torch.ones(b, dtype=torch.bool)
+    finish = ["length"] * b
+    row_ids = torch.arange(b)
+
+    # -- prefill: everything but each prompt's last token --------------------------------------
+    t0 = time.perf_counter()
+    total_draft_forwards = 0
+    target.reset(b)
+    target.num_forwards = 0
+    if method != "ar":
+        drafter.start(sequences)
+    prefix = [s[:-1] for s in sequences]
+    if max(len(p) for p in prefix) > 0:
+        ids, valid = pending_block(prefix, target.lengths)
+        target.forward(ids, valid, logits_to_keep=1)
+        for m in metrics:
+            m.target_forwards += 1
+    if method != "ar":
+        drafter.prefill(sequences)
+    prefill_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    needs_raw = getattr(rule, "needs_raw", False)
+    while active.any():
+        seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+        ctx = VerifyContext(generator=generator, positions=seq_lens.clone(), extra={"row_ids": row_ids})
+        # 1. draft
+        if method == "ar":
+            draft = Draft(
+                ids=torch.zeros((b, 0), dtype=torch.long),
+                probs=torch.zeros((b, 0, vocab)),
+                lengths=torch.zeros(b, dtype=torch.long),
+                raw_probs=torch.zeros((b, 0, vocab)) if needs_raw else None,
+            )
+        else:
+            draft = drafter.propose(sequences, policy, rule, sampling, ctx, active)
+        k = draft.ids.shape[1]
+        total_draft_forwards += draft.forwards
+        was_active = active.clone()
+        # 2. verify: one target forward over [pending, drafts]
+        pend_ids, pend_valid = pending_block(sequences, target.lengths)
+        block = torch.cat([pend_ids, draft.ids], dim=1)
+        block_valid = torch.cat([pend_valid, torch.ones_like(draft.ids, dtype=torch.bool)], dim=1)
+        out = target.forward(block, block_valid, logits_to_keep=k + 1)
+        target_logits = out.logits[:, :, :vocab]  # [B, K+1, V]
+        target_probs = logits_to_probs(target_logits, sampling)
+        if needs_raw:
+            ctx.raw_target_probs = raw_probs(target_logits)
+            ctx.raw_draft_probs = draft.raw_probs
+        # 3. accept
+        result = verify_chain(
+            draft.ids, draft.probs, target_probs, rule, ctx=ctx,
+            draft_lengths=draft.lengths if k else None,
+        )
+        # 4. commit
+        accepted = result.num_accepted
+        for row in range(b):
+            if not active[row]:
+                continue
+            n = int(accepted[row])
+            emitted = result.output_ids[row, : n + 1].tolist()
+            m = metrics[row]
+            m.target_forwards += 1
+            m.draft_forwards += draft.forwards
+            m.record_step(int(draft.lengths[row]), n, int(result.num_lossy[row]))
+            room = max_new_tokens - len(new_ids[row])
+            emitted = emitted[:room]
+            cut = _stop_index(emitted, eos_ids)
+            if cut is not None:
+                emitted = emitted[: cut + 1]
+                finish[row] = "eos"
+            new_ids[row].extend(emitted)
+            sequences[row].extend(emitted)
+            if stop is not None:
+                stop_cut = stop(row, new_ids[row])
+                if stop_cut is not None:
+                    drop = len(new_ids[row]) - stop_cut
+                    if drop > 0:
+                        del new_ids[row][stop_cut:]
+                        del sequences[row][len(sequences[row]) - drop:]
+                        emitted = emitted[: max(0, len(emitted) - drop)]
+                    finish[row] = "stop"
+            if on_tokens is not None and emitted:
+                on_tokens(row, emitted)
+            if finish[row] != "length" or len(new_ids[row]) >= max_new_tokens:
+                active[row] = False
+        # roll back: keep what is still a prefix of each sequence
+        valid_prefix = seq_lens + accepted
+        target.truncate(torch.minimum(target.lengths, valid_prefix))
+        if method != "ar":
+            drafter.commit(sequences, valid_prefix)
+            policy.update(k, accepted[was_active])
+    decode_seconds = time.perf_counter() - t1
+
+    for m, ids in zip(metrics, new_ids):
+        m.new_tokens = len(ids)
+        m.prefill_seconds = prefill_seconds
+        m.decode_seconds = decode_seconds
+    batch = GenerationMetrics.aggregate(metrics)
+    batch.prefill_seconds = prefill_seconds
+    batch.decode_seconds = decode_seconds
+    batch.target_forwards = target.num_forwards
+    batch.draft_forwards = total_draft_forwards
+    return GenerationOutput(sequences=new_ids, metrics=metrics, batch_metrics=batch, finish_reasons=finish)

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny randomly initialised causal LMs (fp32) for fast, exact engine tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+TINY_VOCAB = 64
+
+
+def tiny_lm(seed: int, vocab: int = TINY_VOCAB, layers: int = 2, max_positions: int = 512) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def perturbed_copy(model: Qwen2ForCausalLM, scale: float, seed: int) -> Qwen2ForCausalLM:
+    """A 'draft' that agrees with ``model`` often but not always."""
+    draft = tiny_lm(seed=seed, vocab=model.config.vocab_size, max_positions=model.config.max_position_embeddings)
+    draft.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp_min(1e-3))
+    return draft
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Qwen2ForCausalLM:
+    model = tiny_lm(seed=0)
+    # sharpen the output distribution so greedy texts are not pure noise and drafts get accepted
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target) -> Qwen2ForCausalLM:
+    return perturbed_copy(tiny_target, scale=0.3, seed=1)

@@ -317,16 +317,48 @@ def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
     compared with the in-memory model's, which catches weights that do not round-trip (e.g. an
     output head that was tied in the GGUF but saved untied without its weights).
     """
+    try:
+        _convert_unchecked(gguf_path, out_dir, progress)
+    except QuickdraftError:
+        raise
+    except Exception as exc:  # a transformers/gguf failure: name the file and the cause on one line
+        raise QuickdraftError(
+            f"converting {gguf_path.name} with transformers failed: {type(exc).__name__}: "
+            + " ".join(str(exc).split())
+        ) from exc
+
+
+def _load_gguf_dense(gguf_path: Path, dtype: Any) -> Any:
+    """Load a GGUF file as a plain dense model (every weight dequantised to ``dtype``).
+
+    transformers >= 5.2x can keep GGUF weights packed (``GgufConfig(dequantize=False)``, the
+    default when the ``kernels`` package is present); such a model cannot be saved. Asking for
+    ``dequantize=True`` and then dropping the quantizer leaves an ordinary, saveable model.
+    """
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent,
+        gguf_file=gguf_path.name,
+        dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    # No ``model.to(dtype)``: that would also round the fp32 rotary ``inv_freq`` buffers to bf16
+    # (an error of ~1e-3 in the RoPE frequencies), which ``from_pretrained(dtype=)`` avoids.
+    return model.eval()
+
+
+def _convert_unchecked(gguf_path: Path, out_dir: Path, progress: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     _say("  loading GGUF with transformers (dequantising; 30-50 s) ...", progress)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.bfloat16
-    )
-    model = model.to(torch.bfloat16).eval()
+    model = _load_gguf_dense(gguf_path, torch.bfloat16)
     _say(f"  loaded in {time.perf_counter() - t0:.1f} s; saving bf16 safetensors ...", progress)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -464,6 +496,7 @@ def install(
             (partial / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
             _say(f"{spec.name} [5/5] publishing {entry}", progress)
+            partial.chmod(0o755)  # mkdtemp made it private; the entry is an ordinary directory
             old = None
             if entry.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{spec.name}.old-", dir=cache))
@@ -662,15 +695,14 @@ def load_model(
 
     path = resolve(spec, cache_dir)
     torch_dtype = resolve_dtype(dtype, device)
-    if path.is_file():
-        kwargs: dict[str, Any] = {"gguf_file": path.name}
-        source: Path = path.parent
-    else:
-        kwargs, source = {}, path
     t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
-    model = model.to(device=device, dtype=torch_dtype).eval()
+    if path.is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = _load_gguf_dense(path, torch_dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model = model.to(device).eval()  # parameters are already torch_dtype; fp32 buffers stay fp32
     logger.info("loaded %s (%s, %s) in %.1f s", path, torch_dtype, device, time.perf_counter() - t0)
     return model, tokenizer
 

@@ -17,15 +17,32 @@ A rule answers four questions for :func:`quickdraft.verify.verify_chain`:
 Rules are small frozen dataclasses; their parameters are validated on construction. Rules that
 need more than the processed distributions (raw temperature-1 distributions, absolute positions
 for shared randomness) receive them through :class:`VerifyContext`.
+
+The rules
+---------
+==================  ==========  ============================================================
+class               lossless    acceptance
+==================  ==========  ============================================================
+:class:`Lossless`   yes         u < min(1, p(x)/q(x)); residual on rejection
+:class:`Greedy`     yes (T=0)   x = argmax p
+:class:`Fuzzy`      no          D(p, q) <= T (FSD); ``hybrid``: or the lossless test
+:class:`Typical`    no          p(x) > min(ε, δ·exp(−H(p))) (Medusa typical acceptance)
+:class:`ExponentialRace`  yes   x = argmin_v E_v / p(v) with shared arrival times E (ERSD)
+==================  ==========  ============================================================
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
+from quickdraft.divergences import DEFAULT_TOP_K, DIVERGENCES, entropy, get_divergence
+from quickdraft.errors import QuickdraftError
+from quickdraft.race import race_candidates, race_keys, race_sample
 from quickdraft.sampling import sample
 
 
@@ -41,8 +58,12 @@ class VerifyContext:
         ``[B]`` int64 absolute position (tokens before it in the sequence) of the first draft token
         of each row; rules with shared randomness key their noise on it.
     raw_draft_probs, raw_target_probs:
-        Temperature-1, unwarped distributions with the shapes of ``draft_probs`` / ``target_probs``;
-        divergence-based rules use them when present.
+        Temperature-1, unwarped distributions with the shapes of ``draft_probs`` / ``target_probs``
+        (``[B, K, V]`` / ``[B, K+1, V]``); divergence-based rules use them when present.
+    extra:
+        Free-form extras. Keys read by the rules: ``"row_ids"`` (``[B]`` int64 stable id of each
+        sequence, for :class:`ExponentialRace`; default: the batch index) and ``"rows"`` (set by
+        ``verify_chain`` when it hands a rule a subset of the batch: the subset's batch indices).
     """
 
     generator: torch.Generator | None = None
@@ -61,6 +82,9 @@ class Rule(abc.ABC):
     lossless: bool = True
     #: True when drafts are the drafter's argmax rather than samples
     greedy_drafts: bool = False
+    #: True when the rule reads ``ctx.raw_draft_probs`` / ``ctx.raw_target_probs`` (the engine only
+    #: computes them when asked)
+    needs_raw: bool = False
 
     def propose(self, draft_probs: torch.Tensor, ctx: VerifyContext, offset: int = 0) -> torch.Tensor:
         """Draft one token per row from ``draft_probs [B, V]`` at draft position ``offset``."""
@@ -101,13 +125,36 @@ def _gather_token_probs(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
+# ---------------------------------------------------------------------------------------------
+# lossless speculative sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def acceptance_probability(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Elementwise acceptance probability a = min(1, p/q) of speculative sampling.
+
+    Works on gathered token probabilities (``[B, K]``) and on whole distributions (``[..., V]``).
+    Where q = 0 (a token the draft cannot have sampled) it is 1 if p > 0 else 0.
+    """
+    ratio = target_probs / torch.where(draft_probs > 0, draft_probs, torch.ones_like(draft_probs))
+    return torch.where(draft_probs > 0, ratio.clamp_max(1.0), (target_probs > 0).to(target_probs.dtype))
+
+
+def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p − q)) row-wise; rows where p ≤ q everywhere (p = q) fall back to p."""
+    res = (target_probs - draft_probs).clamp_min(0)
+    mass = res.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 1e-12, res / mass.clamp_min(1e-30), target_probs)
+
+
 @dataclass(frozen=True)
 class Lossless(Rule):
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
-    Accept draft token x with probability min(1, p(x)/q(x)); at the first rejection emit a token
-    from the residual norm(max(0, p − q)). Then for every x,
-    q(x)·a(x) + (1 − Σ_y q(y)·a(y))·r(x) = p(x): the output is distributed exactly as p.
+    Accept draft token x with probability a(x) = min(1, p(x)/q(x)) (:func:`acceptance_probability`);
+    at the first rejection emit a token from the residual r = norm(max(0, p − q)) (:func:`residual`).
+    Then for every x, q(x)·a(x) + (1 − Σ_y q(y)·a(y))·r(x) = p(x): the output is distributed
+    exactly as p.
     """
 
     name = "lossless"
@@ -118,18 +165,10 @@ class Lossless(Rule):
         p = _gather_token_probs(target_probs, draft_ids)
         q = _gather_token_probs(draft_probs, draft_ids)
         u = torch.rand(p.shape, generator=ctx.generator, device=p.device)
-        # u < p/q written without division; q > 0 for every token that was actually drafted
-        return u * q < p, None
+        return u < acceptance_probability(p, q), None
 
     def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
         return sample(residual(target_probs, draft_probs), ctx.generator)
-
-
-def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p − q)) row-wise; rows where p ≤ q everywhere (p = q) fall back to p."""
-    res = (target_probs - draft_probs).clamp_min(0)
-    mass = res.sum(dim=-1, keepdim=True)
-    return torch.where(mass > 1e-12, res / mass.clamp_min(1e-30), target_probs)
 
 
 @dataclass(frozen=True)
@@ -148,3 +187,300 @@ class Greedy(Rule):
 
     def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
         return target_probs.argmax(dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fuzzy Speculative Decoding
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fuzzy(Rule):
+    """Fuzzy Speculative Decoding (FSD; Holsman, Huang & Dhingra 2025, arXiv:2502.20704).
+
+    For each draft position i, D_i = Div(target_i, draft_i) between the target's and the draft's
+    next-token distributions for the same prefix (:mod:`quickdraft.divergences`). The longest
+    prefix of positions with D_i ≤ T is accepted — a deterministic decision, independent of the
+    drafted token, no uniform draw. At the first rejected position a token is *sampled from the
+    target's* (processed) distribution, not from the residual; after a fully accepted draft the
+    bonus token is sampled from the target as usual.
+
+    ``T = 0`` disables the fuzzy criterion (nothing is accepted by it, even where D = 0, so the
+    limit is plain target sampling); ``T = inf`` accepts every draft. FSD's reference code tests
+    ``D <= T``, which at T = 0 would still accept positions whose distributions are identical.
+
+    ``hybrid=True``: positions with D_i ≤ T are accepted outright, the others go through the
+    lossless test u < min(1, p(x)/q(x)); at the first rejection (D_i > T *and* the lossless test
+    failed) the token comes from the residual norm(max(0, p − q)). With T = 0 this is, step for
+    step and draw for draw, :class:`Lossless`. The lossless part needs drafts sampled from q, so
+    hybrid FSD always drafts by sampling (``greedy_drafts=True`` with ``hybrid=True`` is an error).
+
+    The lossy mask returned by :meth:`accept` (counted by ``verify_chain`` as ``num_lossy``) marks
+    the *fuzzy acceptances*: every acceptance in plain FSD; in hybrid FSD the positions accepted
+    by D_i ≤ T that the lossless test (same uniform draw) would have rejected.
+
+    Attributes
+    ----------
+    divergence:
+        Name in :data:`quickdraft.divergences.DIVERGENCES` (``js``, ``js_fsd``, ``kl``, ``tv``, …).
+    threshold:
+        T ≥ 0 (``math.inf`` allowed), in the divergence's units (nats for KL/JS).
+    top_k:
+        k of the ``topk_*`` divergences (FSD's code uses 50); ignored by the others.
+    use_raw:
+        Compute D on the raw temperature-1, unwarped distributions (``ctx.raw_*_probs``), as FSD
+        does; falls back to the processed ones when the context has no raw distributions.
+        ``False``: always the processed (temperature / top-k / top-p) distributions.
+    hybrid:
+        See above.
+    greedy_drafts:
+        Draft the drafter's argmax (as in FSD's experiments) instead of sampling. ``None``
+        (default): greedy for plain FSD, sampled for hybrid FSD.
+    """
+
+    divergence: str = "js"
+    threshold: float = 0.4
+    top_k: int = DEFAULT_TOP_K
+    use_raw: bool = True
+    hybrid: bool = False
+    greedy_drafts: bool | None = None  # type: ignore[assignment]
+
+    name = "fsd"
+
+    def __post_init__(self) -> None:
+        if self.divergence not in DIVERGENCES:
+            raise QuickdraftError(f"unknown divergence {self.divergence!r}; choose one of {', '.join(DIVERGENCES)}")
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+            raise QuickdraftError(f"FSD threshold must be a number >= 0 (inf allowed), got {t!r}")
+        get_divergence(self.divergence, self.top_k)  # validates top_k
+        if self.hybrid and self.greedy_drafts:
+            raise QuickdraftError(
+                "hybrid FSD needs sampled drafts (its lossless test assumes x ~ q); drop greedy_drafts=True"
+            )
+        if self.greedy_drafts is None:
+            object.__setattr__(self, "greedy_drafts", not self.hybrid)
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        return self.hybrid and self.threshold == 0
+
+    @property
+    def needs_raw(self) -> bool:  # type: ignore[override]
+        return self.use_raw
+
+    def divergences(self, draft_probs: torch.Tensor, target_probs: torch.Tensor, ctx: VerifyContext) -> torch.Tensor:
+        """D_i for every draft position, ``[B, K]``, on the raw or processed distributions.
+
+        ``draft_probs [B, K, V]``, ``target_probs [B, K, V]`` (the target's first K positions).
+        """
+        k = draft_probs.shape[1]
+        if self.use_raw and ctx.raw_draft_probs is not None and ctx.raw_target_probs is not None:
+            draft_probs = ctx.raw_draft_probs[:, :k]
+            target_probs = ctx.raw_target_probs[:, :k]
+        return get_divergence(self.divergence, self.top_k)(target_probs, draft_probs)
+
+    def accept(self, draft_ids, draft_probs, target_probs, ctx):
+        if self.threshold > 0:
+            fuzzy = self.divergences(draft_probs, target_probs, ctx) <= self.threshold
+        else:
+            fuzzy = torch.zeros(draft_ids.shape, dtype=torch.bool, device=draft_ids.device)
+        if not self.hybrid:
+            return fuzzy, fuzzy
+        # the lossless test draws its uniforms exactly as Lossless does (same generator stream)
+        exact, _ = Lossless().accept(draft_ids, draft_probs, target_probs, ctx)
+        return fuzzy | exact, fuzzy & ~exact
+
+    def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
+        if self.hybrid:
+            return sample(residual(target_probs, draft_probs), ctx.generator)
+        return sample(target_probs, ctx.generator)
+
+    def bonus(self, target_probs, ctx, offsets):
+        return sample(target_probs, ctx.generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# typical acceptance
+# ---------------------------------------------------------------------------------------------
+
+
+def typical_threshold(target_probs: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:
+    """min(ε, δ·exp(−H(p))) over the last dim of ``target_probs [..., V]``; returns ``[...]``.
+
+    H is the exact entropy (0 log 0 = 0); Medusa and vLLM add 1e-5 inside the logarithm.
+    """
+    return torch.clamp(delta * torch.exp(-entropy(target_probs)), max=epsilon)
+
+
+@dataclass(frozen=True)
+class Typical(Rule):
+    """Typical acceptance (Medusa, Cai et al. 2024, arXiv:2401.10774, §3.3.1; vLLM's former
+    ``TypicalAcceptanceSampler``).
+
+    Accept draft token x iff p(x) > min(ε, δ·exp(−H(p))), p the target's processed distribution
+    (:func:`typical_threshold`). Confident targets (low entropy) demand p(x) close to ε; uncertain
+    ones accept less likely tokens. At the first rejection emit the target's argmax
+    (``recover="argmax"``, as Medusa and vLLM) or a sample of p (``recover="sample"``). The bonus
+    token is a sample of p (the argmax at temperature 0). Lossy; every acceptance is counted as a
+    lossy one.
+
+    Attributes
+    ----------
+    epsilon:
+        ε ∈ (0, 1], the posterior threshold (Medusa's ``posterior_threshold``, default 0.09).
+    delta:
+        δ > 0, the posterior alpha (Medusa's ``posterior_alpha``, default 0.3 = √0.09).
+    recover:
+        ``"argmax"`` or ``"sample"``.
+    greedy_drafts:
+        Draft the drafter's argmax (Medusa's top candidates) instead of sampling (vLLM's proposers).
+    """
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+    recover: Literal["argmax", "sample"] = "argmax"
+    greedy_drafts: bool = False
+
+    name = "typical"
+    lossless = False
+
+    def __post_init__(self) -> None:
+        e, d = self.epsilon, self.delta
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise QuickdraftError(f"typical acceptance epsilon must be in (0, 1], got {e!r}")
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (d > 0 and math.isfinite(d)):
+            raise QuickdraftError(f"typical acceptance delta must be a finite number > 0, got {d!r}")
+        if self.recover not in ("argmax", "sample"):
+            raise QuickdraftError(f"recover must be 'argmax' or 'sample', got {self.recover!r}")
+
+    def accept(self, draft_ids, draft_probs, target_probs, ctx):
+        ok = _gather_token_probs(target_probs, draft_ids) > typical_threshold(target_probs, self.epsilon, self.delta)
+        return ok, ok
+
+    def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
+        if self.recover == "argmax":
+            return target_probs.argmax(dim=-1)
+        return sample(target_probs, ctx.generator)
+
+    def bonus(self, target_probs, ctx, offsets):
+        return sample(target_probs, ctx.generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# exponential-race speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def _row_ids(ctx: VerifyContext, b: int, device: torch.device) -> torch.Tensor:
+    """Stable ids ``[b]`` of the rows a rule was handed.
+
+    ``ctx.extra["row_ids"]`` if given (indexed by ``ctx.extra["rows"]`` when verify_chain passed a
+    subset and the ids are still the full batch's), else the batch index.
+    """
+    rows = ctx.extra.get("rows")
+    ids = ctx.extra.get("row_ids")
+    if ids is not None:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=device)
+        if ids.shape[0] != b and rows is not None:
+            ids = ids[rows]
+    elif rows is not None:
+        ids = torch.as_tensor(rows, dtype=torch.long, device=device)
+    else:
+        ids = torch.arange(b, device=device)
+    if ids.shape != (b,):
+        raise QuickdraftError(f"ctx.extra['row_ids'] must be [B={b}], got shape {tuple(ids.shape)}")
+    return ids
+
+
+@dataclass(frozen=True)
+class ExponentialRace(Rule):
+    """Exponential-race speculative decoding, ERSD (Kobus & Gündüz 2025, arXiv:2504.15475).
+
+    The draft and the target race with the same arrival times E_v ~ Exp(1), regenerated from
+    (``seed``, row id, absolute position) by :mod:`quickdraft.race`. The draft proposes its winner
+    argmin_v E_v/q(v) at each position; a draft token is accepted iff it equals the target's
+    winner argmin_v E_v/p(v) at that position; at the first mismatch (and for the bonus) the
+    target's winner is emitted. No uniform draw, no residual.
+
+    Every emitted token is the target's race winner at its position given the emitted prefix, so
+    the output is lossless and, for a given seed, token for token the same as race sampling the
+    target alone — whatever the drafter and K (drafter invariance).
+
+    Needs ``ctx.positions`` (absolute position of the first draft token); row ids come from
+    ``ctx.extra["row_ids"]`` (default: the batch index). Processed distributions are raced, so at
+    temperature 0 (one-hot) ERSD is exact-match greedy decoding.
+
+    Attributes
+    ----------
+    seed:
+        Seed of the shared arrival times.
+    candidates:
+        n ≥ 1 draft candidates per position (the draft's n earliest arrivals,
+        :meth:`propose_candidates`) for tree verification with
+        :func:`quickdraft.race.accept_race_branches`. Chain verification drafts and checks
+        candidate 0 only: in a chain, accepting another candidate gains nothing, because the
+        target's winner is emitted at the first mismatch anyway and the later draft positions were
+        conditioned on candidate 0.
+    """
+
+    seed: int = 0
+    candidates: int = 1
+
+    name = "ersd"
+    lossless = True
+    greedy_drafts = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise QuickdraftError(f"ERSD seed must be an integer, got {self.seed!r}")
+        if isinstance(self.candidates, bool) or not isinstance(self.candidates, int) or self.candidates < 1:
+            raise QuickdraftError(f"ERSD candidates must be an integer >= 1, got {self.candidates!r}")
+
+    def keys(self, ctx: VerifyContext, b: int, offsets: torch.Tensor | int, device: torch.device) -> torch.Tensor:
+        """Race keys of the positions ``ctx.positions + offsets`` (``offsets`` ``[b]``, ``[b, K]`` or int)."""
+        if ctx.positions is None:
+            raise QuickdraftError("ERSD needs the absolute positions of the draft tokens (ctx.positions)")
+        positions = ctx.positions.to(device).long()
+        offsets = torch.as_tensor(offsets, dtype=torch.long, device=device)
+        if offsets.dim() == 2:
+            positions = positions.unsqueeze(1)
+        row_ids = _row_ids(ctx, b, device)
+        return race_keys(self.seed, row_ids if offsets.dim() < 2 else row_ids.unsqueeze(1), positions + offsets)
+
+    def propose(self, draft_probs, ctx, offset=0):
+        return race_sample(draft_probs, self.keys(ctx, draft_probs.shape[0], offset, draft_probs.device))
+
+    def propose_candidates(self, draft_probs: torch.Tensor, ctx: VerifyContext, offset: int = 0) -> torch.Tensor:
+        """The draft's ``candidates`` earliest arrivals ``[B, n]`` at draft position ``offset``."""
+        keys = self.keys(ctx, draft_probs.shape[0], offset, draft_probs.device)
+        return race_candidates(draft_probs, keys, self.candidates)
+
+    def target_winners(self, target_probs: torch.Tensor, ctx: VerifyContext) -> torch.Tensor:
+        """The target's winners ``[B, K]`` at draft positions ``0..K-1`` from ``target_probs [B, K, V]``."""
+        b, k, _ = target_probs.shape
+        offsets = torch.arange(k, device=target_probs.device).expand(b, k)
+        return race_sample(target_probs, self.keys(ctx, b, offsets, target_probs.device))
+
+    def accept(self, draft_ids, draft_probs, target_probs, ctx):
+        return draft_ids == self.target_winners(target_probs, ctx), None
+
+    def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
+        return race_sample(target_probs, self.keys(ctx, target_probs.shape[0], offsets, target_probs.device))
+
+    def bonus(self, target_probs, ctx, offsets):
+        return race_sample(target_probs, self.keys(ctx, target_probs.shape[0], offsets, target_probs.device))
+
+
+__all__ = [
+    "VerifyContext",
+    "Rule",
+    "Lossless",
+    "Greedy",
+    "Fuzzy",
+    "Typical",
+    "ExponentialRace",
+    "acceptance_probability",
+    "residual",
+    "typical_threshold",
+]

@@ -1,0 +1,107 @@
+"""The ``quickdraft`` command line.
+
+Bad arguments print one line naming the problem and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.methods import METHOD_NAMES, build_method
+from quickdraft.models import models_app
+from quickdraft.sampling import SamplingParams
+
+app = typer.Typer(
+    help="quickdraft: speculative decoding for Hugging Face causal LMs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(models_app, name="models")
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (applied through the chat template for instruct models)."),
+    method: str = typer.Option("sd", help=f"Decoding method: {', '.join(METHOD_NAMES)}."),
+    k: int = typer.Option(4, "--k", help="Draft length (tokens drafted per step)."),
+    policy: str = typer.Option("constant", help="Draft-length policy: constant, heuristic, confidence, specdecpp."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    seed: int = typer.Option(0),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    target: str = typer.Option("target", help="Registry name, alias, HF model directory or .gguf file."),
+    draft: str = typer.Option("draft", help="Registry name, alias, HF model directory or .gguf file."),
+    dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
+    divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),
+    threshold: float = typer.Option(0.4, help="fsd: divergence threshold T (>= 0)."),
+    hybrid: bool = typer.Option(False, "--hybrid", help="fsd: lossless test instead of rejection above T."),
+    epsilon: float = typer.Option(0.3, help="typical: posterior threshold epsilon in (0, 1]."),
+    delta: float = typer.Option(0.09, help="typical: posterior alpha delta > 0."),
+    candidates: int = typer.Option(1, help="ersd: candidates per position."),
+    head: Optional[str] = typer.Option(None, help="specdecpp: path of the trained acceptance head."),
+    stop_threshold: float = typer.Option(0.5, "--stop-threshold", help="specdecpp: stop when P(reject) > h; confidence: p_min."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate text, streaming it to stdout, then print the metrics."""
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
+        spec = build_method(
+            method, k=k, policy=policy, sampling=sampling, divergence=divergence, threshold=threshold,
+            hybrid=hybrid, epsilon=epsilon, delta=delta, candidates=candidates, seed=seed, head=head,
+            stop_threshold=stop_threshold,
+        )
+        from quickdraft.pipeline import Pipeline
+
+        pipe = Pipeline.from_specs(target, draft if spec.needs_draft else None, dtype=dtype)
+        if not json_out:
+            typer.echo(f"[{method}] target={target} draft={draft if spec.needs_draft else '-'}", err=True)
+        stream = None if json_out else (lambda row, text: (sys.stdout.write(text), sys.stdout.flush()))
+        out = pipe.generate(
+            [prompt], method=spec.engine_method, policy=spec.policy, rule=spec.rule, sampling=sampling,
+            max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop), chat=chat, on_text=stream,
+        )
+    except QuickdraftError as err:
+        fail(str(err))
+        return
+    completion = out.completions[0]
+    metrics = completion.metrics.to_dict()
+    if json_out:
+        typer.echo(json.dumps({
+            "method": method, "text": completion.text, "finish_reason": completion.finish_reason,
+            "metrics": metrics,
+        }, indent=2))
+        return
+    typer.echo("")
+    m = completion.metrics
+    typer.echo(
+        f"\n--- {m.new_tokens} new tokens in {m.decode_seconds:.2f} s = {m.tokens_per_second:.2f} tok/s "
+        f"(prefill {m.prefill_seconds:.2f} s, {m.prompt_tokens} prompt tokens)\n"
+        f"    target forwards {m.target_forwards}, draft forwards {m.draft_forwards}, "
+        f"mean acceptance length {m.mean_acceptance_length:.2f} (incl. bonus), "
+        f"acceptance rate {m.acceptance_rate:.1%}, finish: {completion.finish_reason}"
+        + (f", lossy share {m.lossy_share:.1%}" if m.lossy_accepted_tokens else "")
+        + "\n    acceptance by position: "
+        + " ".join(f"{r:.2f}" for r in m.acceptance_rate_by_position)
+    )
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

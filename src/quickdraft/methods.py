@@ -1,0 +1,88 @@
+"""Named decoding methods: the names used by the CLI, the benchmark and the results files.
+
+A method is a drafter kind plus an acceptance rule plus a draft-length policy:
+
+=========  =========  =========================================  ==========================
+name       drafter    rule                                       notes
+=========  =========  =========================================  ==========================
+ar         none       greedy / sampling from the target          the baseline
+sd         draft LM   greedy (T = 0) or lossless (T > 0)         Leviathan/Chen
+ngram      n-gram     greedy (T = 0) or lossless (T > 0)         prompt lookup decoding
+fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless hybrid & T = 0
+typical    draft LM   Typical(epsilon, delta)                    lossy
+ersd       draft LM   ExponentialRace(seed, candidates)          lossless, shared randomness
+=========  =========  =========================================  ==========================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quickdraft.engine import default_rule
+from quickdraft.errors import QuickdraftError
+from quickdraft.policies import Constant, Policy
+from quickdraft.rules import Rule
+from quickdraft.sampling import SamplingParams
+
+METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "fsd", "typical", "ersd")
+
+
+@dataclass
+class MethodSpec:
+    name: str
+    engine_method: str  # "ar" | "sd" | "ngram"
+    rule: Rule
+    policy: Policy
+    needs_draft: bool
+
+
+def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: float = 0.5) -> Policy:
+    """A draft-length policy by name (see :mod:`quickdraft.policies`)."""
+    from quickdraft import policies
+
+    if policy == "constant":
+        return Constant(k)
+    if policy == "heuristic" and hasattr(policies, "Heuristic"):
+        return policies.Heuristic(initial_k=k)
+    if policy == "confidence" and hasattr(policies, "Confidence"):
+        return policies.Confidence(p_min=stop_threshold, max_k=k)
+    if policy == "specdecpp" and hasattr(policies, "SpecDecPP"):
+        if head is None:
+            raise QuickdraftError("--policy specdecpp needs --head PATH (train one with `quickdraft train-head`)")
+        return policies.SpecDecPP.from_file(head, threshold=stop_threshold, max_k=k)
+    raise QuickdraftError(f"unknown policy {policy!r}")
+
+
+def build_method(
+    name: str,
+    *,
+    k: int = 4,
+    policy: str = "constant",
+    sampling: SamplingParams = SamplingParams(),
+    divergence: str = "js",
+    threshold: float = 0.4,
+    hybrid: bool = False,
+    epsilon: float = 0.3,
+    delta: float = 0.09,
+    candidates: int = 1,
+    seed: int = 0,
+    head: str | None = None,
+    stop_threshold: float = 0.5,
+) -> MethodSpec:
+    """Build the rule and policy of a named method, validating every parameter."""
+    if name not in METHOD_NAMES:
+        raise QuickdraftError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
+    pol = build_policy(policy, k, head, stop_threshold)
+    if name == "ar":
+        return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
+    if name in ("sd", "ngram"):
+        return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name == "sd")
+    from quickdraft import rules
+
+    if name == "fsd":
+        rule = rules.Fuzzy(divergence=divergence, threshold=threshold, hybrid=hybrid)
+    elif name == "typical":
+        rule = rules.Typical(epsilon=epsilon, delta=delta)
+    else:  # ersd
+        rule = rules.ExponentialRace(seed=seed, candidates=candidates)
+    return MethodSpec(name, "sd", rule, pol, needs_draft=True)

@@ -1,0 +1,189 @@
+"""Text in, text out: tokenisation, chat templates, stop strings and streaming around :mod:`engine`.
+
+>>> pipe = Pipeline.from_specs("target", "draft")              # doctest: +SKIP
+>>> out = pipe.generate(["Write a bubble sort in Python."], method="sd", k=4)   # doctest: +SKIP
+>>> print(out.completions[0].text, out.metrics.tokens_per_second)             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from quickdraft.drafters import ModelDrafter, NGramDrafter
+from quickdraft.engine import GenerationOutput, Method, generate
+from quickdraft.errors import QuickdraftError
+from quickdraft.metrics import GenerationMetrics
+from quickdraft.policies import Constant, Policy
+from quickdraft.rules import Rule
+from quickdraft.runner import ModelRunner
+from quickdraft.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos" | "length" | "stop"
+    metrics: GenerationMetrics
+
+
+@dataclass
+class PipelineOutput:
+    completions: list[Completion]
+    metrics: GenerationMetrics  # the whole batch
+
+
+class Pipeline:
+    """A target model (and optionally a draft model) with their tokenizer.
+
+    Parameters
+    ----------
+    target_model, tokenizer:
+        The target causal LM and its tokenizer.
+    draft_model:
+        Optional draft causal LM; its vocabulary must be the target's (checked by the caller with
+        :func:`quickdraft.models.check_compatible`, done by :meth:`from_specs`).
+    """
+
+    def __init__(self, target_model, tokenizer, draft_model=None) -> None:
+        self.target_model = target_model
+        self.tokenizer = tokenizer
+        self.draft_model = draft_model
+        self.target = ModelRunner(target_model, "target")
+        self.draft = ModelRunner(draft_model, "draft") if draft_model is not None else None
+        self.vocab_size = int(target_model.config.vocab_size)
+        if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
+            raise QuickdraftError(
+                f"target and draft vocabularies differ: logits of size {self.vocab_size} vs "
+                f"{int(draft_model.config.vocab_size)}"
+            )
+
+    @classmethod
+    def from_specs(cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto") -> "Pipeline":
+        """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file."""
+        from quickdraft.models import check_compatible, load_model
+
+        target_model, tokenizer = load_model(target, dtype=dtype)
+        draft_model = None
+        if draft is not None:
+            draft_model, draft_tokenizer = load_model(draft, dtype=dtype)
+            check_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
+        return cls(target_model, tokenizer, draft_model)
+
+    # -- text <-> ids ----------------------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
+        """Token ids of ``prompt``; with ``chat`` (default: when the tokenizer has a chat template)
+        the prompt becomes a user message under the model's chat template."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise QuickdraftError("empty prompt: give some text to continue")
+        use_chat = chat if chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
+        if use_chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen = getattr(self.target_model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+        return ids
+
+    def drafter_for(self, method: str, ngram_max: int = 3):
+        if method == "ngram":
+            return NGramDrafter(self.vocab_size, max_ngram=ngram_max)
+        if method == "ar":
+            return None
+        if self.draft is None:
+            raise QuickdraftError(f"method {method!r} needs a draft model (--draft)")
+        return ModelDrafter(self.draft, self.vocab_size)
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        method: Method = "sd",
+        k: int = 4,
+        policy: Policy | None = None,
+        rule: Rule | None = None,
+        sampling: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        seed: int | None = 0,
+        stop_strings: tuple[str, ...] = (),
+        chat: bool | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+        prompt_ids: list[list[int]] | None = None,
+    ) -> PipelineOutput:
+        """Generate a completion for every prompt (one real batch through the models)."""
+        ids = prompt_ids if prompt_ids is not None else [self.encode(p, chat) for p in prompts]
+        printed = [0] * len(ids)
+        texts: list[str] = [""] * len(ids)
+        new_ids: list[list[int]] = [[] for _ in ids]
+
+        def decode(tokens: list[int]) -> str:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+        def stop(row: int, tokens: list[int]) -> int | None:
+            if not stop_strings:
+                return None
+            text = decode(tokens)
+            if not any(s in text for s in stop_strings):
+                return None
+            for j in range(1, len(tokens) + 1):  # fewest tokens whose text holds a stop string
+                if any(s in decode(tokens[:j]) for s in stop_strings):
+                    return j
+            return len(tokens)
+
+        def on_tokens(row: int, tokens: list[int]) -> None:
+            new_ids[row].extend(tokens)
+            if on_text is None:
+                return
+            text = _cut_at_stop(decode(new_ids[row]), stop_strings)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
+                return
+            if len(text) > printed[row]:
+                on_text(row, text[printed[row]:])
+                printed[row] = len(text)
+
+        out: GenerationOutput = generate(
+            self.target,
+            ids,
+            method=method,
+            drafter=self.drafter_for(method),
+            rule=rule,
+            policy=policy or Constant(k),
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            eos_token_ids=self.eos_ids(),
+            stop=stop if stop_strings else None,
+            on_tokens=on_tokens,
+        )
+        completions = []
+        for row, seq in enumerate(out.sequences):
+            texts[row] = _cut_at_stop(decode(seq), stop_strings)
+            completions.append(Completion(texts[row], seq, out.finish_reasons[row], out.metrics[row]))
+        return PipelineOutput(completions, out.batch_metrics)
+
+
+def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    cuts = [text.find(s) for s in stop_strings if s and s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        torch.set_num_threads(n)

@@ -1,0 +1,572 @@
+r"""Optimal and achieved acceptance rates of multi-draft speculative decoding (one position).
+
+Setting and terms
+-----------------
+At one position the draft proposes ``n`` tokens :math:`x_1, \dots, x_n` (the *drafts*), drawn from the
+draft distribution :math:`q` (``draft_probs``, ``[V]``) under one of three *sampling* schemes:
+
+``"with_replacement"``
+    :math:`x_1, \dots, x_n` i.i.d. from :math:`q`.
+``"without_replacement"``
+    Sequentially without replacement: :math:`x_i` is drawn from :math:`q` restricted to the tokens not
+    drawn yet, renormalised (equivalently Gumbel-top-``n`` of :math:`\log q`). Tokens with
+    :math:`q = 0` are never drafted: if :math:`q` has fewer than ``n`` positive entries the drafts are
+    its whole support (fewer than ``n`` distinct drafts).
+``"greedy"`` (Hu et al. 2025, §5)
+    The ``n - 1`` most likely draft tokens deterministically (ties broken towards the lower token id,
+    i.e. ``np.argsort(-q, kind="stable")[: n - 1]``; zero-probability tokens can be among them), plus one
+    token drawn from :math:`q` restricted to the remaining vocabulary and renormalised. If that
+    remainder has zero mass there is no sampled draft.
+
+A *verifier* maps the drafts (and its own randomness) to one emitted token whose law must be the
+target distribution :math:`p` (``target_probs``, ``[V]``). Its *acceptance rate* is the probability
+that the emitted token is one of the drafts.
+
+Optimal acceptance rate (Hu et al. 2025, eq. 2 and Thm. 1)
+---------------------------------------------------------
+.. math::
+
+    \alpha^* = \max_{\pi \in \Pi(Q, p)} \Pr_\pi[Y \in \{x_1, \dots, x_n\}]
+             = 1 - \max_{A \subseteq [V]} \bigl( \Pr_Q[\text{all drafts} \in A] - p(A) \bigr),
+
+where :math:`Q` is the law of the draft tuple and :math:`Y \sim p`. The dual follows from max-flow /
+min-cut (see ``docs/theory.md``). With :math:`H = A^c` it reads
+:math:`\alpha^* = 1 + \min_H [\Pr(\text{some draft} \in H) - p(H)]`.
+
+Structure used for speed (derived and verified in ``docs/theory.md`` and ``tests/theory``):
+
+* with replacement, :math:`\Pr[\text{all} \in A] = q(A)^n`; a maximiser is a prefix of the tokens
+  sorted by :math:`q/p` in decreasing order, so :math:`O(V \log V)`;
+* without replacement, the same prefix order is optimal (checked by brute force over all subsets)
+  and :math:`\Pr[\text{all} \in A]` is the Laplace transform of the ``n``-th arrival time of an
+  exponential race, computed for all prefixes at once;
+* greedy: closed form :math:`\alpha^* = p(G) + \sum_{x \notin G} \min(p(x), q'(x))` with :math:`G` the
+  top ``n - 1`` tokens and :math:`q'` the renormalised remainder.
+
+References
+----------
+.. [1] Z. Hu, T. Zheng, V. Viswanathan, Z. Chen, R. A. Rossi, Y. Wu, D. Manocha, H. Huang. "Towards
+   Optimal Multi-draft Speculative Decoding", ICLR 2025, arXiv:2502.18779.
+.. [2] Z. Sun, A. T. Suresh, J. H. Ro, A. Beirami, H. Jain, F. Yu. "SpecTr: Fast Speculative Decoding
+   via Optimal Transport", NeurIPS 2023, arXiv:2310.15141.
+.. [3] X. Miao et al. "SpecInfer: Accelerating Generative LLM Serving with Tree-based Speculative
+   Inference and Verification", ASPLOS 2024, arXiv:2305.09781.
+.. [4] W. Kool, H. van Hoof, M. Welling. "Stochastic Beams and Where to Find Them: The Gumbel-Top-k
+   Trick", ICML 2019 (sampling without replacement as an exponential race).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize, sparse
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.theory import _validate
+
+#: Above this many ordered draft tuples the exact enumeration gives way to the quadrature.
+_EXACT_TUPLE_LIMIT = 20_000
+#: Step of the trapezoidal rule in log-time; 0.25 gives |error| < 1e-12 in the tests.
+_LOG_STEP = 0.25
+#: A race clock with rate * t above this counts as arrived (error <= n * exp(-36) ~ 2e-15).
+_SURE = 36.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------
+
+
+def optimal_acceptance(target_probs, draft_probs, num_drafts: int, sampling: str) -> float:
+    r"""Optimal multi-draft acceptance rate :math:`\alpha^*` (Hu et al. 2025), fast and exact.
+
+    .. math::
+
+        \alpha^* = 1 - \max_{A \subseteq [V]} \bigl( \Pr[x_1, \dots, x_n \in A] - p(A) \bigr)
+
+    Parameters
+    ----------
+    target_probs:
+        ``[V]`` target distribution :math:`p`.
+    draft_probs:
+        ``[V]`` draft distribution :math:`q`.
+    num_drafts:
+        ``n >= 1`` drafts per position.
+    sampling:
+        ``"with_replacement"``, ``"without_replacement"`` or ``"greedy"`` (see the module docstring).
+
+    Returns
+    -------
+    float
+        :math:`\alpha^* \in [0, 1]`. For ``n = 1`` every scheme gives :math:`1 - \mathrm{TV}(p, q)`
+        (greedy with ``n = 1`` is a single sampled draft).
+
+    Notes
+    -----
+    Cost: ``O(V log V)`` for ``"with_replacement"`` and ``"greedy"``; ``"without_replacement"`` is exact
+    by enumeration when ``|supp q|`` has at most 20,000 ordered ``n``-tuples, otherwise a log-time
+    trapezoidal quadrature of an analytic integrand (absolute error below ``1e-12`` in the tests).
+
+    Examples
+    --------
+    >>> optimal_acceptance([0.5, 0.5], [0.9, 0.1], 1, "with_replacement")  # 1 - TV
+    0.6
+    """
+    p, q = _validate.pair(target_probs, draft_probs)
+    n = _validate.num_drafts(num_drafts)
+    s = _validate.sampling(sampling)
+    if s == "greedy":
+        return _alpha_greedy_dual(p, q, n)
+    order = _ratio_order(p, q)
+    p_cum = np.concatenate([[0.0], np.cumsum(p[order])])
+    if s == "with_replacement":
+        all_in = np.concatenate([[0.0], np.cumsum(q[order])]) ** n
+    else:
+        all_in = _wor_all_in_prefixes(q, order, n)
+    gap = float(np.max(all_in - p_cum))
+    return float(min(1.0, max(0.0, 1.0 - max(0.0, gap))))
+
+
+def optimal_acceptance_lp(target_probs, draft_probs, num_drafts: int, sampling: str) -> float:
+    r"""Reference :math:`\alpha^*` by brute force: the transport LP over all ordered draft tuples.
+
+    Variables :math:`\pi(\bar x, y) \ge 0` for every draft tuple :math:`\bar x` with :math:`Q(\bar x) > 0`
+    and every token :math:`y`; constraints :math:`\sum_y \pi(\bar x, y) = Q(\bar x)` and
+    :math:`\sum_{\bar x} \pi(\bar x, y) = p(y)`; objective
+    :math:`\max \sum_{\bar x} \sum_{y \in \bar x} \pi(\bar x, y)`. Solved by HiGHS
+    (``scipy.optimize.linprog(method="highs")``). Only for small ``V ** n``.
+    """
+    p, q = _validate.pair(target_probs, draft_probs)
+    n = _validate.num_drafts(num_drafts)
+    s = _validate.sampling(sampling)
+    tuples, probs = draft_tuple_distribution(q, n, s)
+    v = p.shape[0]
+    t = len(tuples)
+    if t * v > 5_000_000:
+        raise QuickdraftError(f"LP too large: {t} draft tuples x {v} tokens")
+    cost = np.zeros((t, v))
+    for i, tup in enumerate(tuples):
+        cost[i, list(set(tup))] = -1.0
+    rows_a = sparse.kron(sparse.identity(t), np.ones((1, v)))  # sum over y
+    rows_b = sparse.kron(np.ones((1, t)), sparse.identity(v))  # sum over tuples
+    a_eq = sparse.vstack([rows_a, rows_b]).tocsr()
+    b_eq = np.concatenate([probs, p])
+    # the two marginals have equal mass; drop one redundant row for a cleaner LP
+    res = optimize.linprog(cost.ravel(), A_eq=a_eq[:-1], b_eq=b_eq[:-1], bounds=(0, None), method="highs")
+    if res.status != 0:
+        raise QuickdraftError(f"transport LP failed: {res.message}")
+    return float(min(1.0, max(0.0, -res.fun)))
+
+
+def draft_tuple_distribution(draft_probs, num_drafts: int, sampling: str) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    r"""All ordered draft tuples with positive probability and their probabilities (small ``V`` only).
+
+    This is the definition of the three sampling schemes written out, used by the LP and the tests.
+    """
+    q = _validate.as_distribution(draft_probs, "draft_probs")
+    n = _validate.num_drafts(num_drafts)
+    s = _validate.sampling(sampling)
+    v = q.shape[0]
+    supp = [int(i) for i in np.flatnonzero(q > 0)]
+    out: list[tuple[int, ...]] = []
+    probs: list[float] = []
+    if s == "with_replacement":
+        for tup in itertools.product(supp, repeat=n):
+            out.append(tup)
+            probs.append(float(np.prod(q[list(tup)])))
+    elif s == "without_replacement":
+        k = min(n, len(supp))
+        for tup in itertools.permutations(supp, k):
+            pr, left = 1.0, q.copy()
+            for x in tup:
+                pr *= q[x] / left.sum()
+                left[x] = 0.0
+            out.append(tup)
+            probs.append(pr)
+    else:
+        top = tuple(int(i) for i in _greedy_top(q, n))
+        rest_mass = 1.0 - q[list(top)].sum() if top else 1.0
+        rest = [x for x in supp if x not in top]
+        if not rest or rest_mass <= 0:
+            out.append(top)
+            probs.append(1.0)
+        else:
+            for x in rest:
+                out.append(top + (x,))
+                probs.append(float(q[x] / rest_mass))
+    del v
+    arr = np.asarray(probs)
+    return out, arr / arr.sum()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Order and the three "all drafts in A" functions
+# ----------------------------------------------------------------------------------------------------
+
+
+def _ratio_order(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Token order by ``q/p`` decreasing (``p = 0 < q`` first, ``p = q = 0`` last), ties by token id."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(p > 0, q / p, np.where(q > 0, np.inf, -1.0))
+    return np.argsort(-ratio, kind="stable")
+
+
+def _greedy_top(q: np.ndarray, n: int) -> np.ndarray:
+    """The ``n - 1`` deterministic greedy drafts: top ``q``, ties towards the lower token id."""
+    return np.argsort(-q, kind="stable")[: max(0, n - 1)]
+
+
+def _alpha_greedy_dual(p: np.ndarray, q: np.ndarray, n: int) -> float:
+    r"""Dual of the greedy scheme: :math:`1 - \max(0, \sum_{x \notin G} (q'(x) - p(x))^+ - p(G))`."""
+    top = _greedy_top(q, n)
+    in_top = np.zeros(q.shape[0], dtype=bool)
+    in_top[top] = True
+    rest_mass = q[~in_top].sum()
+    p_top = p[in_top].sum()
+    if rest_mass <= 0:
+        # no sampled draft: the drafts are exactly G, all in A iff G subset of A
+        return float(min(1.0, p_top))
+    q_rest = np.where(in_top, 0.0, q / rest_mass)
+    gap = np.maximum(q_rest - p, 0.0)[~in_top].sum() - p_top
+    return float(min(1.0, max(0.0, 1.0 - max(0.0, gap))))
+
+
+def _wor_all_in_prefixes(q: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
+    r"""``[V+1]``: :math:`\Pr[\text{all } n \text{ drafts} \in A_k]` without replacement, ``A_k`` = first ``k`` of ``order``."""
+    v = q.shape[0]
+    q_ord = q[order]
+    pos = q_ord > 0
+    m = int(pos.sum())
+    count = np.concatenate([[0], np.cumsum(pos)])  # support tokens among the first k
+    if m <= n:
+        # the drafts are the whole support: all in A_k iff A_k contains it
+        return (count == m).astype(np.float64)
+    qs = q_ord[pos]  # support tokens in prefix order
+    if n == 1:
+        g = np.cumsum(qs)
+    elif math.perm(m, n) <= _EXACT_TUPLE_LIMIT:
+        g = _wor_exact(qs, n)
+    else:
+        g = _wor_quadrature(qs, n)
+    out = np.zeros(v + 1)
+    has = count > 0
+    out[has] = g[count[has] - 1]
+    return np.clip(out, 0.0, 1.0)
+
+
+def _wor_exact(qs: np.ndarray, n: int) -> np.ndarray:
+    r"""Exact :math:`\Pr[D \subseteq A_k]` for every prefix by enumerating ordered tuples.
+
+    ``g[k]`` is the probability that the largest prefix position among the drafts is ``<= k``.
+    """
+    m = qs.shape[0]
+    tup = np.array(list(itertools.permutations(range(m), n)), dtype=np.int64)  # [T, n]
+    vals = qs[tup]
+    # mass left before each draw, summed over the tokens not drawn yet (not 1 - used: no cancellation)
+    left = np.broadcast_to(qs, (tup.shape[0], m)).copy()
+    rem = np.empty_like(vals)
+    rows = np.arange(tup.shape[0])
+    for i in range(n):
+        rem[:, i] = left.sum(axis=1)
+        left[rows, tup[:, i]] = 0.0
+    prob = np.prod(vals / rem, axis=1)
+    last = tup.max(axis=1)
+    return np.cumsum(np.bincount(last, weights=prob, minlength=m))
+
+
+def _wor_quadrature(qs: np.ndarray, n: int) -> np.ndarray:
+    r""":math:`g_k = \Pr[D \subseteq A_k]` for all prefixes by an exponential-race integral.
+
+    Sampling without replacement is the order of independent clocks :math:`T_x \sim \mathrm{Exp}(q_x)`.
+    All ``n`` drafts lie in :math:`A` iff the ``n``-th arrival in :math:`A` precedes the first arrival
+    outside, which is :math:`\mathrm{Exp}(\lambda)` with :math:`\lambda = 1 - q(A)`:
+
+    .. math::
+
+        g = \int_0^\infty \lambda e^{-\lambda t} F(t)\, dt,
+        \qquad F(t) = \Pr[N_A(t) \ge n],\quad N_A(t) = \sum_{x \in A} \mathrm{Bern}(1 - e^{-q_x t}).
+
+    Subtracting :math:`\psi(t) = (1 - e^{-\mu t})^n`, whose transform is
+    :math:`\prod_{i=1}^n i\mu / (i\mu + \lambda)`, leaves an integrand that decays like :math:`t^n` at 0
+    and exponentially at infinity; in :math:`y = \log t` it is analytic in a strip, so the trapezoidal
+    rule converges geometrically. :math:`\Pr[N_A(t) \le n-1]` for every prefix at once comes from
+    prefix recursions of the elementary symmetric polynomials of :math:`r_x = e^{q_x t} - 1`
+    (all terms positive, no cancellation); clocks with :math:`q_x t > 36` count as arrived.
+    """
+    m = qs.shape[0]
+    lam = np.concatenate([np.cumsum(qs[::-1])[::-1][1:], [0.0]])  # mass outside each prefix
+    lam = np.maximum(lam, 0.0)
+    mu = float(np.sort(qs)[-n])  # n-th largest draft probability: natural decay rate of 1 - F
+    # n-th largest q inside each prefix (decay rate of Pr[N <= n-1] for that prefix)
+    kth = _running_nth_largest(qs, n)
+    valid = np.arange(m) >= n - 1
+    rate = np.maximum(lam, np.minimum(mu, kth))
+    t_hi = (40.0 + math.log(n)) / float(rate[valid & (lam > 0)].min(initial=np.inf)) if (valid & (lam > 0)).any() else 1.0
+    t_lo = (1e-18 * math.factorial(n)) ** (1.0 / (n + 1)) / max(1.0, mu)
+    ys = np.arange(math.log(t_lo), math.log(t_hi) + _LOG_STEP, _LOG_STEP)
+    acc = np.zeros(m)
+    log_v = math.log(m)
+    sure = min(_SURE, (690.0 - (n - 1) * log_v) / max(1, n - 1))
+    if sure < 25.0:
+        raise QuickdraftError(f"num_drafts={n} is too large for the without-replacement quadrature at V={m}")
+    for y in ys:
+        t = math.exp(y)
+        big_g = _prob_fewer_than(qs, n, t, sure)  # [m] Pr[N_{A_k}(t) <= n-1]
+        psi = (-math.expm1(-mu * t)) ** n
+        acc += t * lam * np.exp(-lam * t) * ((1.0 - big_g) - psi)
+    g = _LOG_STEP * acc + np.prod(
+        (np.arange(1, n + 1)[None, :] * mu) / (np.arange(1, n + 1)[None, :] * mu + lam[:, None]), axis=1
+    )
+    g[~valid] = 0.0
+    g[lam <= 0] = 1.0
+    return np.clip(g, 0.0, 1.0)
+
+
+def _running_nth_largest(qs: np.ndarray, n: int) -> np.ndarray:
+    """``[m]``: the ``n``-th largest of ``qs[: k+1]`` (0 while the prefix has fewer than ``n``)."""
+    m = qs.shape[0]
+    out = np.zeros(m)
+    if m < n:
+        return out
+    # a value is the running n-th largest only after n larger-or-equal values were seen; use a
+    # threshold scan over sorted candidates (exact, O(m log m))
+    import heapq
+
+    heap = list(qs[:n])
+    heapq.heapify(heap)
+    out[n - 1] = heap[0]
+    for k in range(n, m):
+        if qs[k] > heap[0]:
+            heapq.heapreplace(heap, qs[k])
+        out[k] = heap[0]
+    return out
+
+
+def _prob_fewer_than(qs: np.ndarray, n: int, t: float, sure: float) -> np.ndarray:
+    r"""``[m]``: :math:`\Pr[N_{A_k}(t) \le n - 1]` for every prefix ``A_k`` (independent clocks)."""
+    x = qs * t
+    is_sure = x > sure
+    n_sure = np.cumsum(is_sure)
+    stop = int(np.searchsorted(n_sure, n))  # from here on n clocks surely arrived: probability 0
+    out = np.zeros(qs.shape[0])
+    if stop == 0:
+        return out
+    x = x[:stop]
+    is_sure = is_sure[:stop]
+    n_sure = n_sure[:stop]
+    r = np.where(is_sure, 0.0, np.expm1(np.where(is_sure, 0.0, x)))
+    log_d0 = -np.cumsum(np.where(is_sure, 0.0, x))
+    room = (n - 1) - n_sure  # how many uncertain arrivals are still allowed
+    total = np.ones(stop)  # e_0
+    e_prev = np.ones(stop)
+    for j in range(1, n):
+        shifted = np.empty(stop)
+        shifted[0] = 1.0 if j == 1 else 0.0
+        shifted[1:] = e_prev[:-1]
+        e_j = np.cumsum(r * shifted)
+        total += np.where(room >= j, e_j, 0.0)
+        e_prev = e_j
+    with np.errstate(under="ignore", over="ignore", invalid="ignore"):
+        val = np.exp(log_d0) * total
+    val = np.where(np.isfinite(val), val, 0.0)
+    out[:stop] = np.clip(val, 0.0, 1.0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Verifiers
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GreedyPlan:
+    r"""The optimal verifier for greedy drafts (Hu et al. 2025, §5), ready for a sampler.
+
+    With :math:`G` the ``n - 1`` deterministic drafts and :math:`y \sim q'` the sampled draft:
+
+    1. emit :math:`y` with probability ``accept_probs[y]`` :math:`= \min(1, p(y)/q'(y))`;
+    2. otherwise emit a token drawn from ``residual_probs``
+       :math:`\propto p \cdot 1_G + (p - q')^+ \cdot 1_{G^c}`.
+
+    The emitted token has law :math:`p` exactly, and it is a draft with probability
+    :math:`p(G) + \sum_{x \notin G} \min(p(x), q'(x)) = \alpha^*_{\text{greedy}}`.
+
+    Attributes
+    ----------
+    top_ids:
+        ``[n-1]`` int64 deterministic drafts :math:`G` (``np.argsort(-q, kind="stable")[: n-1]``).
+    sample_probs:
+        ``[V]`` :math:`q'`, the law of the sampled draft (zeros on :math:`G`); all zeros if there is no
+        sampled draft.
+    accept_probs:
+        ``[V]`` acceptance probability of the sampled draft (0 where :math:`q' = 0`).
+    residual_probs:
+        ``[V]`` law of the token emitted after a rejection (all zeros if rejection is impossible).
+    acceptance:
+        The acceptance rate of this verifier, :math:`\alpha^*_{\text{greedy}}`.
+    """
+
+    top_ids: np.ndarray
+    sample_probs: np.ndarray
+    accept_probs: np.ndarray
+    residual_probs: np.ndarray
+    acceptance: float
+
+
+def greedy_optimal_plan(target_probs, draft_probs, num_drafts: int) -> GreedyPlan:
+    """Build the :class:`GreedyPlan` (optimal verifier for ``sampling="greedy"``)."""
+    p, q = _validate.pair(target_probs, draft_probs)
+    n = _validate.num_drafts(num_drafts)
+    top = _greedy_top(q, n).astype(np.int64)
+    in_top = np.zeros(q.shape[0], dtype=bool)
+    in_top[top] = True
+    rest_mass = q[~in_top].sum()
+    p_top = float(p[in_top].sum())
+    if rest_mass <= 0:
+        zeros = np.zeros_like(q)
+        residual = np.where(in_top, p, 0.0)
+        residual = residual / residual.sum() if residual.sum() > 0 else zeros
+        return GreedyPlan(top, zeros, zeros.copy(), residual, min(1.0, p_top))
+    q_rest = np.where(in_top, 0.0, q / rest_mass)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        accept = np.where(q_rest > 0, np.minimum(1.0, p / q_rest), 0.0)
+    residual = np.where(in_top, p, np.maximum(p - q_rest, 0.0))
+    mass = residual.sum()
+    residual = residual / mass if mass > 0 else np.zeros_like(q)
+    acceptance = p_top + float(np.minimum(p, q_rest)[~in_top].sum())
+    return GreedyPlan(top, q_rest, accept, residual, float(min(1.0, acceptance)))
+
+
+def kseq_rho(target_probs, draft_probs, num_drafts: int) -> float:
+    r"""The K-SEQ division factor :math:`\rho \in [1, n]` of SpecTr (Sun et al. 2023, Alg. 2).
+
+    :math:`\rho` is the smallest root in :math:`[1, n]` of
+
+    .. math::
+
+        h(\rho) = 1 - (1 - \beta(\rho))^n - \rho\, \beta(\rho), \qquad
+        \beta(\rho) = \sum_x \min\bigl(q(x), p(x)/\rho\bigr).
+
+    :math:`h` is non-increasing (:math:`\beta` decreases, :math:`\rho\beta = \sum_x \min(\rho q, p)`
+    increases), :math:`h(1) = \mathrm{TV} - \mathrm{TV}^n \ge 0` and :math:`h(n) \le 0`, so the root is
+    found by bisection to machine precision.
+    """
+    p, q = _validate.pair(target_probs, draft_probs)
+    n = _validate.num_drafts(num_drafts)
+    return _kseq_rho(p, q, n)
+
+
+def _kseq_rho(p: np.ndarray, q: np.ndarray, n: int) -> float:
+    def h(rho: float) -> float:
+        beta = float(np.minimum(q, p / rho).sum())
+        return 1.0 - (1.0 - beta) ** n - rho * beta
+
+    lo, hi = 1.0, float(n)
+    if n == 1 or h(lo) <= 0.0:
+        return lo
+    if h(hi) > 0.0:  # cannot happen mathematically; guard against rounding
+        return hi
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if h(mid) > 0.0:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: str, verifier: str) -> float:
+    r"""Exact acceptance rate of a multi-draft verifier (probability that a draft is accepted).
+
+    Verifiers and the sampling schemes they accept:
+
+    ``"rrs"`` with ``"with_replacement"`` (SpecInfer, Miao et al. 2024)
+        Drafts i.i.d. from :math:`q`; :math:`p_1 = p`; for :math:`i = 1..n` accept :math:`x_i` with
+        probability :math:`\min(1, p_i(x_i)/q(x_i))`, on rejection
+        :math:`p_{i+1} = \mathrm{norm}((p_i - q)^+)`; if all are rejected emit a sample of
+        :math:`p_{n+1}`. The residuals do not depend on which token was rejected, so the rate is
+        :math:`1 - \prod_{i=1}^n \mathrm{TV}(p_i, q)` in :math:`O(nV)`.
+    ``"rrs"`` with ``"without_replacement"``
+        Drafts drawn sequentially without replacement; at step :math:`i` the proposal is
+        :math:`q_i` = :math:`q` without the earlier drafts, renormalised; accept :math:`x_i` with
+        :math:`\min(1, p_i(x_i)/q_i(x_i))`, on rejection :math:`p_{i+1} = \mathrm{norm}((p_i - q_i)^+)`.
+        Exact recursion over the ordered draft prefixes: :math:`O(V^n)` work, small ``V`` only.
+    ``"kseq"`` with ``"with_replacement"`` (SpecTr K-SEQ, Sun et al. 2023)
+        Accept :math:`x_i` with :math:`\min(1, p(x_i)/(\rho q(x_i)))`, the first accepted draft is
+        emitted; if all are rejected emit from :math:`\mathrm{norm}((p - \rho q)^+)` (the residual that
+        makes the output law exactly :math:`p`, see ``docs/theory.md``). Rate
+        :math:`1 - (1 - \beta(\rho))^n = \rho \beta(\rho)` with :math:`\rho` = :func:`kseq_rho`.
+    ``"optimal_greedy"`` with ``"greedy"`` (Hu et al. 2025, §5)
+        The plan of :func:`greedy_optimal_plan`; rate :math:`p(G) + \sum_{x \notin G}\min(p, q')`.
+
+    "Accepted" means: one of the drafts passed the verifier's test (for ``"optimal_greedy"``: the
+    emitted token is a draft, which includes a residual sample that lands in :math:`G`). For RRS the
+    two notions coincide, because a rejected draft :math:`x_i` has :math:`p_i(x_i) < q_i(x_i)` and so
+    zero mass in every later residual; for K-SEQ the residual may by chance emit a rejected draft id,
+    which is *not* counted.
+
+    Raises
+    ------
+    QuickdraftError
+        For a verifier/sampling pair not listed above.
+    """
+    p, q = _validate.pair(target_probs, draft_probs)
+    n = _validate.num_drafts(num_drafts)
+    s = _validate.sampling(sampling)
+    ver = _validate.verifier(verifier)
+    allowed = {"rrs": ("with_replacement", "without_replacement"), "kseq": ("with_replacement",), "optimal_greedy": ("greedy",)}
+    if s not in allowed[ver]:
+        raise QuickdraftError(f"verifier {ver!r} is not defined for sampling {s!r} (use {', '.join(allowed[ver])})")
+    if ver == "kseq":
+        rho = _kseq_rho(p, q, n)
+        beta = float(np.minimum(q, p / rho).sum())
+        return float(min(1.0, 1.0 - (1.0 - beta) ** n))
+    if ver == "optimal_greedy":
+        return greedy_optimal_plan(p, q, n).acceptance
+    if s == "with_replacement":
+        reject = 1.0
+        cur = p
+        for _ in range(n):
+            tv = float(np.maximum(cur - q, 0.0).sum())
+            reject *= tv
+            if tv <= 0.0:
+                break
+            cur = np.maximum(cur - q, 0.0) / tv
+        return float(min(1.0, max(0.0, 1.0 - reject)))
+    return float(min(1.0, max(0.0, 1.0 - _rrs_wor_reject(p, q, n))))
+
+
+def _rrs_wor_reject(p: np.ndarray, q: np.ndarray, n: int) -> float:
+    """Probability that RRS without replacement rejects every draft (recursion over draft prefixes)."""
+    v = p.shape[0]
+    if v ** min(n, v) > 2_000_000:
+        raise QuickdraftError(f"exact RRS without replacement needs V**n <= 2e6 states, got V={v}, n={n}")
+
+    def rec(cur: np.ndarray, removed: np.ndarray, depth: int) -> float:
+        if depth == n:
+            return 1.0
+        q_i = np.where(removed, 0.0, q)
+        mass = q_i.sum()
+        if mass <= 0:
+            return 1.0  # support exhausted: no more drafts, the rest is a residual sample
+        q_i = q_i / mass
+        resid = np.maximum(cur - q_i, 0.0)
+        tv = resid.sum()
+        if tv <= 0:
+            return 0.0
+        nxt = resid / tv
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rej = np.where(q_i > 0, 1.0 - np.minimum(1.0, cur / q_i), 0.0)
+        total = 0.0
+        for x in np.flatnonzero(q_i * rej > 0):
+            removed2 = removed.copy()
+            removed2[x] = True
+            total += q_i[x] * rej[x] * rec(nxt, removed2, depth + 1)
+        return total
+
+    return rec(p, np.zeros(v, dtype=bool), 0)

@@ -405,10 +405,14 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
 
 def test_cli_list(tmp_path, fake_parts, fake_convert):
     qm.install(FAKE, cache_dir=tmp_path, progress=False)
-    result = CliRunner().invoke(qm.models_app, ["list", "--cache-dir", str(tmp_path)])
+    result = CliRunner().invoke(
+        qm.models_app, ["list", "--cache-dir", str(tmp_path)], env={"COLUMNS": "200"}
+    )
     assert result.exit_code == 0
-    assert "qwen2.5-coder-1.5b-instruct" in result.stdout and "not installed" in result.stdout
-    assert FAKE in result.stdout and "installed" in result.stdout
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if "│" in line}
+    assert "not installed" in rows["qwen2.5-coder-1.5b-instruct"]
+    assert "not installed" in rows["qwen2.5-coder-0.5b-instruct"]
+    assert "│ installed" in rows[FAKE] and "B " in rows[FAKE]
 
 
 # ---------------------------------------------------------------------------------------------

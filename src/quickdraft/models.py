@@ -842,6 +842,13 @@ def _install_command(
     _run_cli(action)
 
 
+def _human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 @models_app.command("list")
 def _list_command(
     cache_dir: Path | None = typer.Option(
@@ -857,16 +864,19 @@ def _list_command(
         entries = {e.name: e for e in list_installed(cache) if e.complete}
         leftovers = [e for e in list_installed(cache) if not e.complete]
         table = Table(title=f"quickdraft models ({cache})")
-        for column in ("name", "role", "status", "size", "path"):
-            table.add_column(column)
+        table.add_column("name", no_wrap=True)
+        table.add_column("role")
+        table.add_column("status")
+        table.add_column("size", justify="right")
+        table.add_column("path", overflow="fold")
         for spec in REGISTRY.values():
             e = entries.pop(spec.name, None)
             status = "installed" if e else "not installed"
-            size = f"{e.size_bytes / 2**30:.2f} GiB" if e else "-"
+            size = _human_bytes(e.size_bytes) if e else "-"
             table.add_row(spec.name, spec.role, status, size, str(e.path) if e else "-")
         for e in [*entries.values(), *leftovers]:
             status = "installed" if e.complete else "incomplete"
-            table.add_row(e.name, e.role, status, f"{e.size_bytes / 2**30:.2f} GiB", str(e.path))
+            table.add_row(e.name, e.role, status, _human_bytes(e.size_bytes), str(e.path))
         Console().print(table)
 
     _run_cli(action)

@@ -37,6 +37,7 @@ Example
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -163,7 +164,7 @@ def sample_step(
         raise QuickdraftError(
             f"verifier {verifier!r} is not defined for {sampling!r} drafts; it works with {sorted(schemes)}"
         )
-    if isinstance(num_drafts, bool) or not isinstance(num_drafts, int) or num_drafts < 1:
+    if isinstance(num_drafts, bool) or not isinstance(num_drafts, numbers.Integral) or num_drafts < 1:
         raise QuickdraftError(f"num_drafts must be an integer >= 1, got {num_drafts!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise QuickdraftError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -186,6 +187,7 @@ def sample_step(
             )
 
     # 3. draft, 4. verify
+    num_drafts = int(num_drafts)
     drafts = SAMPLERS[sampling](q, num_drafts, generator)
     tokens = verify(p, q, drafts, generator)
     accepted = (drafts.ids == tokens.unsqueeze(-1)).any(dim=-1)

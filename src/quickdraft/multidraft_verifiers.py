@@ -46,7 +46,7 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
 
 
 def rrs_verify(target_probs: torch.Tensor, drafts: Drafts, generator: torch.Generator | None) -> torch.Tensor:
-    """Recursive rejection sampling (RRS) over the drafts in drawing order [1]_ [2]_.
+    """Recursive rejection sampling (RRS) over the drafts in drawing order (refs. 1, 2 of the module).
 
     With ``p_1 = p``, at step ``i = 1 … n`` accept ``x_i`` with probability
     ``min(1, p_i(x_i) / q_i(x_i))``; on rejection set ``p_{i+1} = norm((p_i − q_i)^+)``. If all
@@ -135,7 +135,7 @@ def kseq_rho(
         h(\\rho) = \\rho\\,\\beta(\\rho) - \\bigl(1 - (1 - \\beta(\\rho))^n\\bigr) = 0,
         \\qquad \\beta(\\rho) = \\sum_x \\min\\bigl(q(x), p(x)/\\rho\\bigr)
 
-    (SpecTr [3]_, K-SEQ). ``ρβ(ρ) = Σ min(ρq, p)`` is non-decreasing and ``β`` non-increasing in
+    (SpecTr, ref. 3 of the module, K-SEQ). ``ρβ(ρ) = Σ min(ρq, p)`` is non-decreasing and ``β`` non-increasing in
     ``ρ``, so ``h`` is non-decreasing; ``h(1) = β − 1 + (1 − β)^n ≤ 0`` and
     ``h(n) = nβ − 1 + (1 − β)^n ≥ 0`` (Bernoulli). If ``h(1) ≥ 0`` (``n = 1``, ``p = q`` or
     disjoint supports) ``ρ = 1``. Otherwise the returned value is the upper end of the final
@@ -210,7 +210,7 @@ def kseq_verify(
     generator: torch.Generator | None,
     rho: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SpecTr's K-SEQ [3]_ for i.i.d. drafts: accept ``x_i`` w.p. ``min(1, p(x_i)/(ρ q(x_i)))``.
+    """SpecTr's K-SEQ (ref. 3 of the module) for i.i.d. drafts: accept ``x_i`` w.p. ``min(1, p(x_i)/(ρ q(x_i)))``.
 
     The drafts are tested in order against the *same* ``p`` (no residual update between them);
     the first that passes is emitted; if none passes, a sample of :func:`kseq_residual` is.
@@ -258,7 +258,7 @@ def kseq_verify(
 def optimal_greedy_verify(
     target_probs: torch.Tensor, drafts: Drafts, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """The verifier that attains the optimal acceptance rate for greedy drafts [4]_.
+    """The verifier that attains the optimal acceptance rate for greedy drafts (Hu et al. 2025, ref. 4).
 
     Drafts: the fixed set ``T`` of the ``n − 1`` top draft tokens and one ``y ~ q_R``,
     ``R = V \\ T``, ``q_R = q·1_R / q(R)``. The verifier is single-draft speculative sampling of

@@ -81,13 +81,17 @@ class Pipeline:
             raise QuickdraftError("empty prompt: give some text to continue")
         use_chat = chat if chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
         if use_chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def encode_messages(self, messages) -> list[int]:
+        """Token ids of chat ``messages`` under the model's chat template, ready for the reply."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise QuickdraftError("this tokenizer has no chat template; pass plain text with chat=False")
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
 
     def eos_ids(self) -> set[int]:
         ids: set[int] = set()

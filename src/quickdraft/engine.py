@@ -130,14 +130,15 @@ def generate(
         )
 
     b = len(prompts)
-    generator = torch.Generator().manual_seed(int(seed) if seed is not None else int(torch.seed() % (1 << 62)))
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(int(seed) if seed is not None else int(torch.seed() % (1 << 62)))
     sequences = [list(p) for p in prompts]
     prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     new_ids: list[list[int]] = [[] for _ in range(b)]
     metrics = [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
-    active = torch.ones(b, dtype=torch.bool)
+    active = torch.ones(b, dtype=torch.bool, device=device)
     finish = ["length"] * b
-    row_ids = torch.arange(b)
+    row_ids = torch.arange(b, device=device)
 
     # -- prefill: everything but each prompt's last token --------------------------------------
     t0 = time.perf_counter()
@@ -159,15 +160,15 @@ def generate(
     t1 = time.perf_counter()
     needs_raw = getattr(rule, "needs_raw", False)
     while active.any():
-        seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+        seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
         ctx = VerifyContext(generator=generator, positions=seq_lens.clone(), extra={"row_ids": row_ids})
         # 1. draft
         if method == "ar":
             draft = Draft(
-                ids=torch.zeros((b, 0), dtype=torch.long),
-                probs=torch.zeros((b, 0, vocab)),
-                lengths=torch.zeros(b, dtype=torch.long),
-                raw_probs=torch.zeros((b, 0, vocab)) if needs_raw else None,
+                ids=torch.zeros((b, 0), dtype=torch.long, device=device),
+                probs=torch.zeros((b, 0, vocab), device=device),
+                lengths=torch.zeros(b, dtype=torch.long, device=device),
+                raw_probs=torch.zeros((b, 0, vocab), device=device) if needs_raw else None,
             )
         else:
             draft = drafter.propose(sequences, policy, rule, sampling, ctx, active)
@@ -175,7 +176,9 @@ def generate(
         total_draft_forwards += draft.forwards
         was_active = active.clone()
         # 2. verify: one target forward over [pending, drafts]
+        draft = draft.to(device)
         pend_ids, pend_valid = pending_block(sequences, target.lengths)
+        pend_ids, pend_valid = pend_ids.to(device), pend_valid.to(device)
         block = torch.cat([pend_ids, draft.ids], dim=1)
         block_valid = torch.cat([pend_valid, torch.ones_like(draft.ids, dtype=torch.bool)], dim=1)
         out = target.forward(block, block_valid, logits_to_keep=k + 1)
@@ -191,15 +194,20 @@ def generate(
         )
         # 4. commit
         accepted = result.num_accepted
+        accepted_list = accepted.tolist()
+        output_rows = result.output_ids.tolist()
+        lengths_list = draft.lengths.tolist()
+        lossy_list = result.num_lossy.tolist()
+        active_list = active.tolist()
         for row in range(b):
-            if not active[row]:
+            if not active_list[row]:
                 continue
-            n = int(accepted[row])
-            emitted = result.output_ids[row, : n + 1].tolist()
+            n = accepted_list[row]
+            emitted = output_rows[row][: n + 1]
             m = metrics[row]
             m.target_forwards += 1
             m.draft_forwards += draft.forwards
-            m.record_step(int(draft.lengths[row]), n, int(result.num_lossy[row]))
+            m.record_step(lengths_list[row], n, lossy_list[row])
             room = max_new_tokens - len(new_ids[row])
             emitted = emitted[:room]
             cut = _stop_index(emitted, eos_ids)

@@ -24,7 +24,13 @@ opening fence with no closing one, e.g. cut off by the token limit) or ``plain``
 ``completion``
     the code continues the prompt verbatim (base-model style: prompt + answer parses);
 ``no_entry_point``
-    the code parses but neither defines the entry point nor reads as a body (it will fail its test).
+    the code defines functions, but not the entry point, and does not read as a body (it will fail
+    its test, but it was code).
+
+Trailing lines that do not parse (prose after unfenced code, a statement cut off by the token
+limit) are dropped before giving up. Among several fenced blocks, the *last* one that defines the
+entry point is used (models often show a first attempt, then a corrected one); blocks tagged with
+another language (```` ```bash ````) are ignored.
 
 ``"unparseable"`` when nothing parses; the program is then the bare prompt (whose stub returns
 ``None``), so executing it fails its test rather than crashing the harness.

@@ -496,7 +496,10 @@ def install(
             (partial / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
             _say(f"{spec.name} [5/5] publishing {entry}", progress)
-            partial.chmod(0o755)  # mkdtemp made it private; the entry is an ordinary directory
+            # mkdtemp (and safetensors) made these private; an entry is ordinary readable files
+            partial.chmod(0o755)
+            for file in partial.iterdir():
+                file.chmod(0o644)
             old = None
             if entry.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{spec.name}.old-", dir=cache))
@@ -658,7 +661,8 @@ def resolve_dtype(dtype: DtypeName | str = "auto", device: str = "cpu") -> Any:
     if dtype != "auto":
         raise QuickdraftError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}")
     if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+        cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
     if device == "cpu":
         return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
     return torch.float32

@@ -56,6 +56,7 @@ class ModelRunner:
         self.cache = DynamicCache(config=self.model.config)
         self.slot_pos = torch.empty(batch_size, 0, dtype=torch.long, device=self.device)  # [B, L], -1 = hole
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # [B] valid tokens per row
+        self.tree_start: int | None = None  # first slot of the open tree block (see begin_tree)
 
     @property
     def batch_size(self) -> int:
@@ -92,6 +93,8 @@ class ModelRunner:
         b, m = tokens.shape
         if b != self.batch_size:
             raise QuickdraftError(f"{self.name}: batch of {b} rows, cache has {self.batch_size}")
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: forward() while a tree session is open; commit_tree() first")
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         valid = valid.to(self.device)
@@ -126,6 +129,155 @@ class ModelRunner:
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    # -- token trees -----------------------------------------------------------------------------
+    # A tree session appends the nodes of a token tree after the committed cache (the *tree block*,
+    # slots ``tree_start ..``). Node slots carry the position ``lengths + depth`` of their own path and
+    # see the committed prefix (its valid slots) plus the tree-block slots their tree mask allows.
+    # ``lengths`` does not move until :meth:`commit_tree` keeps one path; a plain :meth:`forward`
+    # is refused while a session is open (its padding mask would let tokens see every node).
+
+    def begin_tree(self) -> None:
+        """Open a tree session: later :meth:`forward_tree` calls append to one tree block."""
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: a tree session is already open")
+        self.tree_start = self.num_slots
+
+    @property
+    def tree_size(self) -> int:
+        """Slots in the open tree block (0 without a session)."""
+        return 0 if self.tree_start is None else self.num_slots - self.tree_start
+
+    def _mask_value_format(self) -> str:
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if impl not in ("sdpa", "eager"):
+            raise QuickdraftError(f"{self.name}: tree attention supports the sdpa and eager attention, not {impl!r}")
+        return impl
+
+    @torch.inference_mode()
+    def forward_tree(
+        self,
+        tokens: torch.Tensor,
+        depths: torch.Tensor,
+        tree_mask: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        *,
+        output_hidden: bool = False,
+    ) -> ForwardOutput:
+        """Append ``m`` tree nodes per row to the open tree block and return all their logits.
+
+        Parameters
+        ----------
+        tokens:
+            ``[B, m]`` int64 node tokens.
+        depths:
+            ``[B, m]`` int64 offsets: a node's rotary position is ``lengths + depths`` (the root of a
+            target tree, which continues the committed sequence, has depth 0).
+        tree_mask:
+            ``[B, m, T + m]`` bool, ``T`` = :attr:`tree_size` before the call: which tree-block slots
+            (earlier ones, then these ``m``) each new node attends to — its ancestors and itself.
+            The diagonal is forced on. The committed prefix is visible wherever its slots are valid.
+        valid:
+            ``[B, m]`` bool; ``False`` marks padding nodes (their slots are holes from the start).
+
+        Worked example (one row, committed length 10): the tree ``root -> {a, b}, a -> {c}`` fed
+        at once as ``[root, a, b, c]`` has depths ``[0, 1, 1, 2]`` (positions 10, 11, 11, 12) and the
+        mask rows ``root: [1 0 0 0]``, ``a: [1 1 0 0]``, ``b: [1 0 1 0]``, ``c: [1 1 0 1]``.
+        """
+        if self.tree_start is None:
+            raise QuickdraftError(f"{self.name}: forward_tree needs begin_tree() first")
+        b, m = tokens.shape
+        t = self.tree_size
+        if b != self.batch_size:
+            raise QuickdraftError(f"{self.name}: batch of {b} rows, cache has {self.batch_size}")
+        if depths.shape != (b, m) or tree_mask.shape != (b, m, t + m):
+            raise QuickdraftError(
+                f"{self.name}: forward_tree needs depths [B={b}, m={m}] and tree_mask [B, m, {t + m}], got "
+                f"{tuple(depths.shape)} and {tuple(tree_mask.shape)}"
+            )
+        if valid is None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        valid = valid.to(self.device)
+        positions = self.lengths.unsqueeze(1) + depths.to(self.device)  # [B, m]
+        if int(positions.max()) >= self.max_positions:
+            raise QuickdraftError(
+                f"{self.name}: context overflow: position {int(positions.max())} exceeds the model's "
+                f"maximum of {self.max_positions} tokens; shorten the prompt or max_new_tokens"
+            )
+        prefix_visible = self.slot_pos[:, : self.tree_start] >= 0  # [B, P]
+        self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], dim=1)
+        block = tree_mask.to(self.device, torch.bool).clone()  # [B, m, T + m]
+        block[:, :, :t] &= self.slot_pos[:, self.tree_start : self.tree_start + t].unsqueeze(1) >= 0
+        block[:, :, t:] &= valid.unsqueeze(1)
+        block[:, :, t:] |= torch.eye(m, dtype=torch.bool, device=self.device)
+        allowed = torch.cat([prefix_visible.unsqueeze(1).expand(b, m, -1), block], dim=2)  # [B, m, L]
+        allowed = allowed.unsqueeze(1)  # [B, 1, m, L]
+        if self._mask_value_format() == "eager":
+            dtype = next(self.model.parameters()).dtype
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+        else:  # SDPA: boolean, True = attend
+            mask = allowed
+        out = self.model(
+            input_ids=tokens.to(self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=output_hidden,
+        )
+        self.cache = out.past_key_values
+        self.num_forwards += 1
+        logits = out.logits.float()
+        check_finite(logits[valid], f"the {self.name} model")
+        hidden = out.hidden_states[-1] if output_hidden else None
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def commit_tree(self, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Close the tree session, keeping one path of tree-block slots per row.
+
+        Parameters
+        ----------
+        keep:
+            ``[B, P]`` int64 tree-block slot indices (0 = the block's first slot), in path order;
+            row ``b`` keeps its first ``counts[b]`` entries, which must hold the positions
+            ``lengths[b], lengths[b] + 1, …`` (a root-to-node path of the tree).
+        counts:
+            ``[B]`` int64 slots kept per row (0 drops the whole block).
+
+        The kept slots' keys and values are gathered to the front of the block (one small copy per
+        layer) and everything after them is cropped, so the cache never accumulates dead nodes;
+        a shorter row's tail inside the block becomes holes. ``lengths += counts``.
+        """
+        if self.tree_start is None:
+            raise QuickdraftError(f"{self.name}: commit_tree without an open tree session")
+        start = self.tree_start
+        b = self.batch_size
+        keep = keep.to(self.device).long().reshape(b, -1)
+        counts = counts.to(self.device).long()
+        width = int(counts.max()) if b else 0
+        keep = keep[:, :width]
+        cols = torch.arange(width, device=self.device).unsqueeze(0)
+        live = cols < counts.unsqueeze(1)  # [B, P]
+        if width and (keep[live].min() < 0 or keep[live].max() >= self.tree_size):
+            raise QuickdraftError(f"{self.name}: commit_tree slot index outside the tree block")
+        index = torch.where(live, keep, 0)  # [B, P]
+        block_pos = self.slot_pos[:, start:]
+        kept_pos = block_pos.gather(1, index)
+        expected = self.lengths.unsqueeze(1) + cols
+        if bool((live & (kept_pos != expected)).any()):
+            raise QuickdraftError(f"{self.name}: commit_tree must keep a root-to-node path (consecutive positions)")
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", True) or not hasattr(layer, "keys"):
+                continue
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # [B, H, L, D]
+                idx = (start + index).view(b, 1, width, 1).expand(-1, states.shape[1], -1, states.shape[-1])
+                setattr(layer, name, torch.cat([states[:, :, :start], states.gather(2, idx)], dim=2))
+        self.slot_pos = torch.cat([self.slot_pos[:, :start], torch.where(live, kept_pos, -1)], dim=1)
+        self.lengths = self.lengths + counts
+        self.tree_start = None
+        self.truncate(self.lengths)  # crops the slots that are holes in every row
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll every row back to its first ``new_lengths[row]`` tokens (``[B]`` int64)."""

@@ -26,7 +26,9 @@ Otherwise (``isolation="basic"``) the same limits apply, the working directory i
 directory on the host, and the network is blocked only by replacing :mod:`socket`'s connection
 functions inside the child — a best-effort fallback, not a security boundary. Without root the
 uid cannot be changed, so ``RLIMIT_NPROC`` is not set and fork bombs are only stopped by the
-timeout and the process-group kill. :func:`isolation_mode` says which mode is in effect.
+timeout and the process-group kill; as root, every process of the private uid is killed afterwards
+(``kill(-1, SIGKILL)`` sent as that uid), which also catches children that left the process group.
+:func:`isolation_mode` says which mode is in effect.
 
 Threat model: mistakes of a code model (infinite loops, huge allocations, stray file writes,
 network access, runaway ``fork``), not a determined attacker. The result is reported through a
@@ -306,8 +308,12 @@ def _execute(
                 except subprocess.TimeoutExpired:
                     timed_out = True
             finally:
-                _kill_group(proc.pid)
+                if timed_out or proc.poll() is None:
+                    _stop(proc)
+                _kill_group(proc.pid)  # safety net (basic mode: stragglers of the process group)
                 proc.wait()
+                if mode != "namespaces" and uid is not None:
+                    _kill_uid(uid, python)  # basic mode: processes that left the group with setsid
             elapsed = time.perf_counter() - start
             records = _read_reports(out, nonce)
             stderr_tail = _tail(err)
@@ -319,6 +325,51 @@ def _execute(
 
 def _cpu_seconds(limits: SandboxLimits) -> int:
     return limits.cpu_seconds if limits.cpu_seconds is not None else math.ceil(limits.timeout) + 1
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a running sandbox so that it is completely gone when this returns.
+
+    In namespace mode ``proc`` is ``unshare`` and its only child is the supervisor, PID 1 of the
+    namespace. Killing the supervisor makes the kernel kill every process in the namespace, and
+    the supervisor is not reaped before they are all gone; ``unshare`` waits for that, then exits.
+    (Killing ``unshare`` first would return before the namespace is empty.)
+    """
+    for pid in _children(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+_KILL_UID = r"""
+import os, signal, sys, time
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+# Repeat until no process of the uid is left (killed ones stay visible until their parent reaps them).
+for _ in range(300):
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        break
+    time.sleep(0.01)
+"""
+
+
+def _kill_uid(uid: int, python: str) -> None:
+    """Kill every process of the sandbox's private uid (``kill(-1)`` sent *as* that uid)."""
+    subprocess.run([python, "-I", "-c", _KILL_UID, str(uid)], env={}, cwd="/", capture_output=True, timeout=30)
 
 
 def _kill_group(pgid: int) -> None:

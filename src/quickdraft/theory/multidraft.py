@@ -22,8 +22,8 @@ A *verifier* maps the drafts (and its own randomness) to one emitted token whose
 target distribution :math:`p` (``target_probs``, ``[V]``). Its *acceptance rate* is the probability
 that the emitted token is one of the drafts.
 
-Optimal acceptance rate (Hu et al. 2025, eq. 2 and Thm. 1)
----------------------------------------------------------
+Optimal acceptance rate (Hu et al. 2025, §3: the dual of the transport LP)
+----------------------------------------------------------------------
 .. math::
 
     \alpha^* = \max_{\pi \in \Pi(Q, p)} \Pr_\pi[Y \in \{x_1, \dots, x_n\}]
@@ -133,10 +133,13 @@ def optimal_acceptance(target_probs, draft_probs, num_drafts: int, sampling: str
 def optimal_acceptance_lp(target_probs, draft_probs, num_drafts: int, sampling: str) -> float:
     r"""Reference :math:`\alpha^*` by brute force: the transport LP over all ordered draft tuples.
 
-    Variables :math:`\pi(\bar x, y) \ge 0` for every draft tuple :math:`\bar x` with :math:`Q(\bar x) > 0`
-    and every token :math:`y`; constraints :math:`\sum_y \pi(\bar x, y) = Q(\bar x)` and
-    :math:`\sum_{\bar x} \pi(\bar x, y) = p(y)`; objective
-    :math:`\max \sum_{\bar x} \sum_{y \in \bar x} \pi(\bar x, y)`. Solved by HiGHS
+    The transport problem :math:`\max_{\pi \in \Pi(Q, p)} \sum_{\bar x} \sum_{y \in \bar x} \pi(\bar x, y)`
+    is solved in its equivalent max-flow form: variables :math:`\pi(\bar x, y) \ge 0` for every draft
+    tuple :math:`\bar x` with :math:`Q(\bar x) > 0` and every token :math:`y` *in* the tuple, with
+    :math:`\sum_y \pi(\bar x, y) \le Q(\bar x)` and :math:`\sum_{\bar x} \pi(\bar x, y) \le p(y)`.
+    (Any coupling's accepted part is such a flow; any flow extends to a coupling by pairing the equal
+    leftover masses arbitrarily, so the optima agree; the inequality form stays feasible under
+    floating-point rounding of the marginals.) Solved by HiGHS
     (``scipy.optimize.linprog(method="highs")``). Only for small ``V ** n``.
     """
     p, q = _validate.pair(target_probs, draft_probs)
@@ -144,18 +147,20 @@ def optimal_acceptance_lp(target_probs, draft_probs, num_drafts: int, sampling: 
     s = _validate.sampling(sampling)
     tuples, probs = draft_tuple_distribution(q, n, s)
     v = p.shape[0]
-    t = len(tuples)
-    if t * v > 5_000_000:
-        raise QuickdraftError(f"LP too large: {t} draft tuples x {v} tokens")
-    cost = np.zeros((t, v))
+    rows, cols = [], []
+    var = 0
     for i, tup in enumerate(tuples):
-        cost[i, list(set(tup))] = -1.0
-    rows_a = sparse.kron(sparse.identity(t), np.ones((1, v)))  # sum over y
-    rows_b = sparse.kron(np.ones((1, t)), sparse.identity(v))  # sum over tuples
-    a_eq = sparse.vstack([rows_a, rows_b]).tocsr()
-    b_eq = np.concatenate([probs, p])
-    # the two marginals have equal mass; drop one redundant row for a cleaner LP
-    res = optimize.linprog(cost.ravel(), A_eq=a_eq[:-1], b_eq=b_eq[:-1], bounds=(0, None), method="highs")
+        for y in sorted(set(tup)):
+            rows += [i, len(tuples) + y]
+            cols += [var, var]
+            var += 1
+    if var > 5_000_000:
+        raise QuickdraftError(f"LP too large: {var} variables")
+    a_ub = sparse.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(tuples) + v, var))
+    b_ub = np.concatenate([probs, p])
+    res = optimize.linprog(-np.ones(var), A_ub=a_ub, b_ub=b_ub, bounds=(0, None), method="highs",
+        options={"primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10},
+    )
     if res.status != 0:
         raise QuickdraftError(f"transport LP failed: {res.message}")
     return float(min(1.0, max(0.0, -res.fun)))
@@ -216,7 +221,16 @@ def _ratio_order(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 def _greedy_top(q: np.ndarray, n: int) -> np.ndarray:
     """The ``n - 1`` deterministic greedy drafts: top ``q``, ties towards the lower token id."""
-    return np.argsort(-q, kind="stable")[: max(0, n - 1)]
+    k = min(max(0, n - 1), q.shape[0])
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    if k == q.shape[0]:
+        return np.argsort(-q, kind="stable")
+    thr = np.partition(q, q.shape[0] - k)[q.shape[0] - k]  # k-th largest value
+    above = np.flatnonzero(q > thr)
+    ties = np.flatnonzero(q == thr)[: k - above.size]  # lowest ids among ties
+    top = np.concatenate([above, ties])
+    return top[np.argsort(-q[top], kind="stable")]  # same as np.argsort(-q, kind="stable")[:k]
 
 
 def _alpha_greedy_dual(p: np.ndarray, q: np.ndarray, n: int) -> float:

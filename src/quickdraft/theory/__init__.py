@@ -1,0 +1,43 @@
+"""Theory toolkit: optimal and achieved acceptance rates, chain and race formulas (numpy/scipy only).
+
+All functions take distributions as 1-D arrays ``[V]`` (numpy, lists or torch tensors) and return
+Python floats; bad input raises :class:`quickdraft.errors.QuickdraftError`. Derivations are in
+``docs/theory.md``.
+"""
+
+from quickdraft.theory.chain import best_draft_length, chain_acceptance, expected_tokens_per_call, speedup
+from quickdraft.theory.multidraft import (
+    GreedyPlan,
+    draft_tuple_distribution,
+    greedy_optimal_plan,
+    kseq_rho,
+    optimal_acceptance,
+    optimal_acceptance_lp,
+    verifier_acceptance,
+)
+from quickdraft.theory.races import (
+    race_acceptance,
+    race_chain_speedup,
+    race_expected_tokens,
+    race_tree_size,
+    race_tree_speedup,
+)
+
+__all__ = [
+    "GreedyPlan",
+    "best_draft_length",
+    "chain_acceptance",
+    "draft_tuple_distribution",
+    "expected_tokens_per_call",
+    "greedy_optimal_plan",
+    "kseq_rho",
+    "optimal_acceptance",
+    "optimal_acceptance_lp",
+    "race_acceptance",
+    "race_chain_speedup",
+    "race_expected_tokens",
+    "race_tree_size",
+    "race_tree_speedup",
+    "speedup",
+    "verifier_acceptance",
+]

@@ -32,7 +32,7 @@ def fail(message: str) -> None:
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="The prompt (applied through the chat template for instruct models)."),
+    prompts: list[str] = typer.Argument(..., help="One or more prompts (several run as one batch)."),
     method: str = typer.Option("sd", help=f"Decoding method: {', '.join(METHOD_NAMES)}."),
     k: int = typer.Option(4, "--k", help="Draft length (tokens drafted per step)."),
     policy: str = typer.Option("constant", help="Draft-length policy: constant, heuristic, confidence, specdecpp."),
@@ -56,7 +56,7 @@ def generate(
     stop_threshold: float = typer.Option(0.5, "--stop-threshold", help="specdecpp: stop when P(reject) > h; confidence: p_min."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
-    """Generate text, streaming it to stdout, then print the metrics."""
+    """Generate text, streaming it to stdout (one prompt), then print the metrics."""
     try:
         sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
         spec = build_method(
@@ -69,22 +69,30 @@ def generate(
         pipe = Pipeline.from_specs(target, draft if spec.needs_draft else None, dtype=dtype)
         if not json_out:
             typer.echo(f"[{method}] target={target} draft={draft if spec.needs_draft else '-'}", err=True)
-        stream = None if json_out else (lambda row, text: (sys.stdout.write(text), sys.stdout.flush()))
+        single = len(prompts) == 1
+        stream = None if json_out or not single else (lambda row, text: (sys.stdout.write(text), sys.stdout.flush()))
         out = pipe.generate(
-            [prompt], method=spec.engine_method, policy=spec.policy, rule=spec.rule, sampling=sampling,
+            list(prompts), method=spec.engine_method, policy=spec.policy, rule=spec.rule, sampling=sampling,
             max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop), chat=chat, on_text=stream,
         )
     except QuickdraftError as err:
         fail(str(err))
         return
-    completion = out.completions[0]
-    metrics = completion.metrics.to_dict()
     if json_out:
-        typer.echo(json.dumps({
-            "method": method, "text": completion.text, "finish_reason": completion.finish_reason,
-            "metrics": metrics,
-        }, indent=2))
+        results = [
+            {"method": method, "text": c.text, "finish_reason": c.finish_reason, "metrics": c.metrics.to_dict()}
+            for c in out.completions
+        ]
+        payload = results[0] if single else {"method": method, "completions": results, "batch_metrics": out.metrics.to_dict()}
+        typer.echo(json.dumps(payload, indent=2))
         return
+    for row, completion in enumerate(out.completions):
+        if not single:
+            typer.echo(f"=== prompt {row}\n{completion.text}")
+        _print_metrics(completion)
+
+
+def _print_metrics(completion) -> None:
     typer.echo("")
     m = completion.metrics
     typer.echo(

@@ -37,20 +37,25 @@ class MethodSpec:
 
 
 def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: float = 0.5) -> Policy:
-    """A draft-length policy by name (see :mod:`quickdraft.policies`)."""
+    """A draft-length policy by name (see :mod:`quickdraft.policies`).
+
+    ``k`` is the draft length of ``constant``, the first draft length of ``heuristic`` and the
+    most tokens per step of ``confidence`` and ``specdecpp``; ``stop_threshold`` is ``p_min`` of
+    ``confidence`` and the threshold ``h`` of ``specdecpp``.
+    """
     from quickdraft import policies
 
     if policy == "constant":
         return Constant(k)
-    if policy == "heuristic" and hasattr(policies, "Heuristic"):
-        return policies.Heuristic(initial_k=k)
-    if policy == "confidence" and hasattr(policies, "Confidence"):
+    if policy == "heuristic":
+        return policies.Heuristic(initial_k=k, max_k=max(k, 16))
+    if policy == "confidence":
         return policies.Confidence(p_min=stop_threshold, max_k=k)
-    if policy == "specdecpp" and hasattr(policies, "SpecDecPP"):
+    if policy == "specdecpp":
         if head is None:
             raise QuickdraftError("--policy specdecpp needs --head PATH (train one with `quickdraft train-head`)")
         return policies.SpecDecPP.from_file(head, threshold=stop_threshold, max_k=k)
-    raise QuickdraftError(f"unknown policy {policy!r}")
+    raise QuickdraftError(f"unknown policy {policy!r}; choose one of constant, heuristic, confidence, specdecpp")
 
 
 def build_method(

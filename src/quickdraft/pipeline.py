@@ -22,6 +22,10 @@ from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams
 
 
+#: end-of-turn / end-of-text markers of common chat models (Qwen, Llama 3, Phi)
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>")
+
+
 @dataclass
 class Completion:
     text: str
@@ -103,6 +107,13 @@ class Pipeline:
             ids.add(eos)
         elif eos:
             ids.update(int(e) for e in eos)
+        # chat models end a turn with their end-of-turn token even when the config names another
+        vocab = self.tokenizer.get_vocab()
+        for token in END_OF_TURN_TOKENS:
+            if token in vocab and token in (self.tokenizer.all_special_tokens or []) + list(
+                getattr(self.tokenizer, "added_tokens_encoder", {}) or {}
+            ):
+                ids.add(int(vocab[token]))
         return ids
 
     def drafter_for(self, method: str, ngram_max: int = 3):

@@ -26,8 +26,10 @@ Otherwise (``isolation="basic"``) the same limits apply, the working directory i
 directory on the host, and the network is blocked only by replacing :mod:`socket`'s connection
 functions inside the child — a best-effort fallback, not a security boundary. Without root the
 uid cannot be changed, so ``RLIMIT_NPROC`` is not set and fork bombs are only stopped by the
-timeout and the process-group kill; as root, every process of the private uid is killed afterwards
-(``kill(-1, SIGKILL)`` sent as that uid), which also catches children that left the process group.
+timeout and the process-group kill. As root, in both modes, a trusted supervisor process (the
+child's parent, a child subreaper) kills and reaps every process of the private uid when the child
+ends (``kill(-1, SIGKILL)`` sent as that uid), which also catches children that left the process
+group with ``setsid``.
 :func:`isolation_mode` says which mode is in effect.
 
 Threat model: mistakes of a code model (infinite loops, huge allocations, stray file writes,
@@ -164,9 +166,16 @@ uid = job["uid"]
 if uid is not None:
     os.chown(workdir, uid, uid)
 os.chmod(workdir, 0o700)
+try:
+    # Orphans of the untrusted code become our children (PID 1 of a namespace is a reaper anyway).
+    import ctypes
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+except Exception:
+    pass
 child = os.fork()
 if child:
-    # Supervisor (PID 1 of the namespace, trusted): reap everything, report how the child ended.
+    # Supervisor (trusted, still root): wait for the child, report how it ended, then kill and reap
+    # whatever it left behind, so nothing outlives the sandbox even without a PID namespace.
     while True:
         pid, wstatus, usage = os.wait4(-1, 0)
         if pid == child:
@@ -178,6 +187,20 @@ if child:
         "exit_code": os.WEXITSTATUS(wstatus) if os.WIFEXITED(wstatus) else None,
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
     })
+    if uid is not None:
+        import signal, time
+        os.setgroups([]); os.setgid(uid); os.setuid(uid)  # kill(-1) now reaches exactly that uid
+        for _ in range(1000):
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+            except ChildProcessError:
+                pass
+            time.sleep(0.005)
     os._exit(0)
 # Child: confine, then run the untrusted code.
 os.chdir(workdir)
@@ -312,8 +335,6 @@ def _execute(
                     _stop(proc)
                 _kill_group(proc.pid)  # safety net (basic mode: stragglers of the process group)
                 proc.wait()
-                if mode != "namespaces" and uid is not None:
-                    _kill_uid(uid, python)  # basic mode: processes that left the group with setsid
             elapsed = time.perf_counter() - start
             records = _read_reports(out, nonce)
             stderr_tail = _tail(err)
@@ -351,25 +372,6 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except (OSError, ValueError):
         return []
-
-
-_KILL_UID = r"""
-import os, signal, sys, time
-uid = int(sys.argv[1])
-os.setgroups([]); os.setgid(uid); os.setuid(uid)
-# Repeat until no process of the uid is left (killed ones stay visible until their parent reaps them).
-for _ in range(300):
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        break
-    time.sleep(0.01)
-"""
-
-
-def _kill_uid(uid: int, python: str) -> None:
-    """Kill every process of the sandbox's private uid (``kill(-1)`` sent *as* that uid)."""
-    subprocess.run([python, "-I", "-c", _KILL_UID, str(uid)], env={}, cwd="/", capture_output=True, timeout=30)
 
 
 def _kill_group(pgid: int) -> None:

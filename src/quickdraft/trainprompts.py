@@ -1,0 +1,133 @@
+"""Training prompts for the acceptance head, made from the Python standard library's docstrings.
+
+Source
+------
+The docstrings of public functions and classes of pure-Python standard-library modules (the list
+:data:`MODULES`), read with :mod:`inspect` from the running interpreter -- text that ships with
+Python itself (PSF licence), needs no download and is the same on every machine with the same
+Python version. Each becomes an "implement this" task::
+
+    Implement the Python function `textwrap.dedent(text)`:
+
+    Remove any common leading whitespace from every line in `text`. ...
+
+Classes become "implement a class with these methods" tasks. Only the docstring's first paragraphs
+(at most 600 characters) are used, and docstrings shorter than 60 characters are skipped.
+
+No overlap with the benchmarks
+------------------------------
+HumanEval's 164 problems are hand-written functions (``has_close_elements``, ``separate_paren_groups``,
+...) and MT-Bench's 80 questions are open-ended chat questions; neither is built from standard-library
+docstrings. :func:`overlap_report` checks it: no training prompt shares a function name with a
+HumanEval entry point, nor any 12-word window with a HumanEval prompt or an MT-Bench turn
+(``tests/test_head.py`` runs it when the benchmark packages are installed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+import re
+import warnings
+
+#: Pure-Python standard-library modules whose docstrings become prompts (sorted, deterministic).
+MODULES: tuple[str, ...] = (
+    "argparse", "base64", "bisect", "calendar", "colorsys", "configparser", "csv", "dataclasses",
+    "datetime", "difflib", "email.utils", "filecmp", "fnmatch", "fractions", "ftplib", "functools",
+    "getopt", "gettext", "glob", "gzip", "heapq", "hmac", "html", "http.cookies", "imaplib",
+    "ipaddress", "json", "keyword", "linecache", "locale", "mimetypes", "netrc", "ntpath", "numbers",
+    "operator", "optparse", "os", "pathlib", "pickle", "pkgutil", "platform", "plistlib", "posixpath",
+    "pprint", "quopri", "random", "re", "reprlib", "sched", "secrets", "shlex", "shutil", "smtplib",
+    "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "tokenize",
+    "traceback", "types", "typing", "urllib.parse", "uuid", "warnings", "wave", "weakref", "zipfile",
+)
+
+MAX_DOC_CHARS = 600
+MIN_DOC_CHARS = 60
+
+
+def _clean_doc(doc: str) -> str:
+    doc = inspect.cleandoc(doc)
+    paragraphs = [p.strip() for p in doc.split("\n\n") if p.strip()]
+    out = ""
+    for p in paragraphs:
+        if ">>>" in p:  # keep tasks free of doctest transcripts
+            break
+        if len(out) + len(p) > MAX_DOC_CHARS and out:
+            break
+        out = f"{out}\n\n{p}" if out else p
+    return out[:MAX_DOC_CHARS].strip()
+
+
+def _signature(obj) -> str:
+    try:
+        return str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _tasks_of_module(name: str) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module missing on this platform is simply skipped
+            return []
+    tasks = []
+    for attr in sorted(vars(module)):
+        if attr.startswith("_"):
+            continue
+        obj = getattr(module, attr)
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue  # re-exports appear once, under their home module
+        doc = inspect.getdoc(obj) if (inspect.isfunction(obj) or inspect.isclass(obj)) else None
+        if not doc:
+            continue
+        doc = _clean_doc(doc)
+        if len(doc) < MIN_DOC_CHARS:
+            continue
+        if inspect.isfunction(obj):
+            tasks.append(f"Implement the Python function `{name}.{attr}{_signature(obj)}`:\n\n{doc}")
+        else:
+            methods = [m for m in sorted(vars(obj)) if not m.startswith("_") and inspect.isfunction(getattr(obj, m))][:6]
+            listed = f" with the methods {', '.join(f'`{m}`' for m in methods)}" if methods else ""
+            tasks.append(f"Write the Python class `{name}.{attr}`{listed}:\n\n{doc}")
+    return tasks
+
+
+def all_tasks() -> list[str]:
+    """Every task, in module order (a few thousand on CPython 3.11)."""
+    tasks: list[str] = []
+    for name in MODULES:
+        tasks.extend(_tasks_of_module(name))
+    return tasks
+
+
+def training_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct tasks, a seeded random sample of :func:`all_tasks` (deterministic)."""
+    tasks = all_tasks()
+    rng = random.Random(seed)
+    rng.shuffle(tasks)
+    return tasks[:n]
+
+
+def _windows(text: str, width: int = 12) -> set[str]:
+    words = re.findall(r"\w+", text.lower())
+    return {" ".join(words[i:i + width]) for i in range(max(0, len(words) - width + 1))}
+
+
+def overlap_report(prompts: list[str], benchmark_texts: list[str], entry_points: list[str]) -> list[str]:
+    """Descriptions of every overlap between training prompts and benchmark texts (empty = none):
+    a shared 12-word window, or a benchmark function name used as a task's function name."""
+    bench = set().union(*(_windows(t) for t in benchmark_texts)) if benchmark_texts else set()
+    names = set(entry_points)
+    problems = []
+    for i, p in enumerate(prompts):
+        shared = _windows(p) & bench
+        if shared:
+            problems.append(f"prompt {i} shares {sorted(shared)[0]!r}")
+        m = re.search(r"`[\w.]*?\.(\w+)[(`]", p)
+        if m and m.group(1) in names:
+            problems.append(f"prompt {i} asks for {m.group(1)!r}, a HumanEval entry point")
+    return problems

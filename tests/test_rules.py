@@ -440,3 +440,12 @@ def test_typical_validation():
         with pytest.raises(QuickdraftError, match=msg):
             Typical(**bad)
     assert not Typical().lossless and Typical(epsilon=1.0).epsilon == 1.0
+
+
+def test_rule_registry_and_flags():
+    from quickdraft.rules import RULES, ExponentialRace
+
+    assert set(RULES) == {"lossless", "greedy", "fsd", "typical", "ersd"}
+    assert all(RULES[name]().name == name for name in RULES)
+    assert [RULES[n]().lossless for n in ("lossless", "greedy", "fsd", "typical", "ersd")] == [True, True, False, False, True]
+    assert not ExponentialRace().needs_raw and Fuzzy().needs_raw and not Fuzzy(hybrid=True, threshold=0).needs_raw

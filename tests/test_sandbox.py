@@ -158,7 +158,10 @@ def test_environment_is_empty_and_user_is_unprivileged(monkeypatch):
     )
     if os.geteuid() == 0:
         checks += "assert os.getuid() != 0 and os.geteuid() != 0\n"
-        checks += "try:\n    open('/etc/quickdraft-probe', 'w')\nexcept PermissionError:\n    pass\nelse:\n    raise SystemExit('wrote /etc')\n"
+        checks += (
+            "try:\n    open('/etc/quickdraft-probe', 'w')\nexcept PermissionError:\n    pass\n"
+            "else:\n    raise SystemExit('wrote /etc')\n"
+        )
     outcome = run_program(checks, FAST)
     assert outcome.passed, outcome
     assert not Path("/etc/quickdraft-probe").exists()

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.headtrain import train_head_command
 from quickdraft.methods import METHOD_NAMES, build_method
 from quickdraft.models import models_app
 from quickdraft.sampling import SamplingParams
@@ -23,6 +24,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(models_app, name="models")
+app.command("train-head")(train_head_command)
 
 
 def fail(message: str) -> None:

@@ -64,9 +64,8 @@ def rel_entr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
     Same convention as ``scipy.special.rel_entr``.
     """
-    safe_y = torch.where(x > 0, y, torch.ones_like(y))
-    safe_x = torch.where(x > 0, x, torch.ones_like(x))
-    return torch.where(x > 0, x * torch.log(safe_x / safe_y), torch.zeros_like(x))
+    # where x = 0 the discarded branch may hold NaN (0/0) or -inf; torch.where never propagates it
+    return torch.where(x > 0, x * torch.log(x / y), 0.0)
 
 
 def _kl(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -268,7 +268,7 @@ class Fuzzy(Rule):
 
     @property
     def needs_raw(self) -> bool:  # type: ignore[override]
-        return self.use_raw
+        return self.use_raw and self.threshold > 0
 
     def divergences(self, draft_probs: torch.Tensor, target_probs: torch.Tensor, ctx: VerifyContext) -> torch.Tensor:
         """D_i for every draft position, ``[B, K]``, on the raw or processed distributions.
@@ -473,7 +473,13 @@ class ExponentialRace(Rule):
         return race_sample(target_probs, self.keys(ctx, target_probs.shape[0], offsets, target_probs.device))
 
 
+#: rule classes by their CLI / results name
+RULES: dict[str, type[Rule]] = {
+    rule.name: rule for rule in (Lossless, Greedy, Fuzzy, Typical, ExponentialRace)
+}
+
 __all__ = [
+    "RULES",
     "VerifyContext",
     "Rule",
     "Lossless",

@@ -158,7 +158,8 @@ if job["mount_tmpfs"]:
     opts = ("size=%d,mode=1777" % job["tmpfs_bytes"]).encode()
     for target in job["tmpfs_dirs"]:
         if os.path.isdir(target) and libc.mount(b"tmpfs", target.encode(), b"tmpfs", 2 | 4, opts) != 0:
-            _report({"role": "supervisor", "setup_error": "cannot mount tmpfs on %s (errno %d)" % (target, ctypes.get_errno())})
+            reason = "cannot mount tmpfs on %s (errno %d)" % (target, ctypes.get_errno())
+            _report({"role": "supervisor", "setup_error": reason})
             os._exit(3)
 workdir = job["workdir"]
 os.makedirs(workdir, exist_ok=True)
@@ -189,26 +190,44 @@ if child:
     })
     if uid is not None:
         import signal, time
-        os.setgroups([]); os.setgid(uid); os.setuid(uid)  # kill(-1) now reaches exactly that uid
+        os.setgroups([]); os.setgid(uid); os.setuid(uid)  # from here on it can only hit that uid
+        me = os.getpid()
+        def _leftovers():
+            found = []
+            for name in os.listdir("/proc"):
+                if not name.isdigit() or int(name) == me:
+                    continue
+                try:
+                    if os.stat("/proc/" + name).st_uid != uid:
+                        continue
+                    with open("/proc/%s/stat" % name) as fh:
+                        state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
+                except (OSError, ValueError):
+                    continue
+                if state != "Z" or int(ppid) == me:  # zombies of other parents are not ours to reap
+                    found.append(int(name))
+            return found
         for _ in range(1000):
-            try:
-                os.kill(-1, signal.SIGKILL)
-            except ProcessLookupError:
+            pids = _leftovers()
+            if not pids:
                 break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             try:
                 while os.waitpid(-1, os.WNOHANG)[0]:
                     pass
             except ChildProcessError:
                 pass
-            time.sleep(0.005)
+            time.sleep(0.002)
     os._exit(0)
 # Child: confine, then run the untrusted code.
 os.chdir(workdir)
 for name, value in job["rlimits"].items():
     resource.setrlimit(getattr(resource, name), tuple(value))
-if uid is not None:
-    os.setgroups([]); os.setgid(uid); os.setuid(uid)
-if job["block_sockets"]:
+if job["block_sockets"]:  # before the uid drop: the interpreter's own files may be unreadable after it
     import socket
     def _blocked(*args, **kwargs):
         raise OSError(101, "Network is unreachable (blocked in the sandbox)")
@@ -216,6 +235,8 @@ if job["block_sockets"]:
         setattr(socket.socket, _name, _blocked)
     socket.create_connection = _blocked
     socket.getaddrinfo = _blocked
+if uid is not None:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
 main_pid = os.getpid()
 status, detail = "passed", ""
 try:

@@ -11,7 +11,8 @@ Python version. Each becomes an "implement this" task::
 
     Remove any common leading whitespace from every line in `text`. ...
 
-Classes become "implement a class with these methods" tasks. Only the docstring's first paragraphs
+Every third function becomes an "explain to a beginner" task instead (prose answers, closer to
+chat benchmarks than code), and classes become "implement a class with these methods" tasks. Only the docstring's first paragraphs
 (at most 600 characters) are used, and docstrings shorter than 60 characters are skipped.
 
 No overlap with the benchmarks
@@ -42,6 +43,9 @@ MODULES: tuple[str, ...] = (
     "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "tokenize",
     "traceback", "types", "typing", "urllib.parse", "uuid", "warnings", "wave", "weakref", "zipfile",
 )
+
+#: Function names that are also HumanEval entry points (found by :func:`overlap_report`); skipped.
+EXCLUDED_NAMES: frozenset[str] = frozenset({"encode", "search", "median"})
 
 MAX_DOC_CHARS = 600
 MIN_DOC_CHARS = 60
@@ -87,7 +91,14 @@ def _tasks_of_module(name: str) -> list[str]:
         doc = _clean_doc(doc)
         if len(doc) < MIN_DOC_CHARS:
             continue
-        if inspect.isfunction(obj):
+        if attr in EXCLUDED_NAMES:
+            continue
+        if inspect.isfunction(obj) and len(tasks) % 3 == 2:
+            tasks.append(
+                f"Explain to a beginner, in a short paragraph and one small example, what the Python "
+                f"function `{name}.{attr}` does and when to use it. Its documentation says:\n\n{doc}"
+            )
+        elif inspect.isfunction(obj):
             tasks.append(f"Implement the Python function `{name}.{attr}{_signature(obj)}`:\n\n{doc}")
         else:
             methods = [m for m in sorted(vars(obj)) if not m.startswith("_") and inspect.isfunction(getattr(obj, m))][:6]

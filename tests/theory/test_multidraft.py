@@ -17,6 +17,7 @@ from quickdraft.theory import (
     optimal_acceptance_lp,
     verifier_acceptance,
 )
+from quickdraft.theory import _wor
 from quickdraft.theory import multidraft as md
 
 MODES = ("with_replacement", "without_replacement", "greedy")
@@ -100,8 +101,9 @@ def test_prefix_structure_by_brute_force(mode):
 
 
 def test_without_replacement_quadrature_matches_enumeration():
+    """The fast quadrature (light/heavy split, block Taylor moments) equals exact tuple enumeration."""
     rng = np.random.default_rng(5)
-    worst = 0.0
+    worst, checked = 0.0, 0
     for _ in range(40):
         v = int(rng.integers(8, 13))
         n = int(rng.integers(2, 5))
@@ -110,8 +112,29 @@ def test_without_replacement_quadrature_matches_enumeration():
         qs = qs[qs > 0]
         if qs.size <= n:
             continue
-        worst = max(worst, np.abs(md._wor_exact(qs, n) - md._wor_quadrature(qs, n)).max())
-    assert worst < 1e-10
+        worst = max(worst, np.abs(md._wor_exact(qs, n) - _wor.WorPrefixes(qs, n).all()).max())
+        checked += 1
+    assert checked > 20
+    assert worst < 1e-12
+
+
+def test_without_replacement_max_gap_uses_bounds_correctly():
+    """Block bounds + refinement give the same maximum as evaluating every prefix (V = 3000, n = 8)."""
+    rng = np.random.default_rng(15)
+    for scale in (1.0, 3.0, 8.0):
+        z = rng.standard_normal(3000)
+        p = np.exp(scale * z)
+        q = np.exp(scale * (z + 0.5 * rng.standard_normal(3000)))
+        p, q = p / p.sum(), q / q.sum()
+        order = md._ratio_order(p, q)
+        qs, ps = q[order], p[order]
+        w = _wor.WorPrefixes(qs, 8)
+        g = np.concatenate([[0.0], w.all()])
+        brute = float(np.max(g - np.concatenate([[0.0], np.cumsum(ps)])))
+        assert w.max_gap(ps) == pytest.approx(brute, abs=1e-14)
+        # and the quadrature agrees with the sequential-draw probabilities on a direct check:
+        # g_k for the full support is 1, for k < n it is 0
+        assert g[-1] == pytest.approx(1.0, abs=1e-12) and g[7] == 0.0
 
 
 def test_without_replacement_beats_with_replacement():

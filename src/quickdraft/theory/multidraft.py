@@ -65,14 +65,10 @@ import numpy as np
 from scipy import optimize, sparse
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.theory import _validate
+from quickdraft.theory import _validate, _wor
 
 #: Above this many ordered draft tuples the exact enumeration gives way to the quadrature.
 _EXACT_TUPLE_LIMIT = 20_000
-#: Step of the trapezoidal rule in log-time; 0.25 gives |error| < 1e-12 in the tests.
-_LOG_STEP = 0.25
-#: A race clock with rate * t above this counts as arrived (error <= n * exp(-36) ~ 2e-15).
-_SURE = 36.0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,13 +116,16 @@ def optimal_acceptance(target_probs, draft_probs, num_drafts: int, sampling: str
     s = _validate.sampling(sampling)
     if s == "greedy":
         return _alpha_greedy_dual(p, q, n)
+    # the maximising set A is a prefix of the q/p order (docs/theory.md §2-3); tokens with q = 0 come
+    # after every q > 0 token and only add target mass, so only the first m = |supp q| prefixes count
     order = _ratio_order(p, q)
-    p_cum = np.concatenate([[0.0], np.cumsum(p[order])])
+    m = int(np.count_nonzero(q))
+    qs, ps = q[order[:m]], p[order[:m]]
+    p_cum = np.concatenate([[0.0], np.cumsum(ps)])
     if s == "with_replacement":
-        all_in = np.concatenate([[0.0], np.cumsum(q[order])]) ** n
+        gap = float(np.max(np.concatenate([[0.0], np.cumsum(qs)]) ** n - p_cum))
     else:
-        all_in = _wor_all_in_prefixes(q, order, n)
-    gap = float(np.max(all_in - p_cum))
+        gap = _wor_max_gap(qs, ps, p_cum, n)
     return float(min(1.0, max(0.0, 1.0 - max(0.0, gap))))
 
 
@@ -213,10 +212,14 @@ def draft_tuple_distribution(draft_probs, num_drafts: int, sampling: str) -> tup
 
 
 def _ratio_order(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Token order by ``q/p`` decreasing (``p = 0 < q`` first, ``p = q = 0`` last), ties by token id."""
+    """Token order by ``q/p`` decreasing (``p = 0 < q`` first, ``q = 0`` last).
+
+    Ties may come in any order: the prefix theorem (``docs/theory.md``) holds for every order with
+    non-increasing ``q/p``, so the faster unstable sort is used.
+    """
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(p > 0, q / p, np.where(q > 0, np.inf, -1.0))
-    return np.argsort(-ratio, kind="stable")
+    return np.argsort(-ratio)
 
 
 def _greedy_top(q: np.ndarray, n: int) -> np.ndarray:
@@ -248,27 +251,29 @@ def _alpha_greedy_dual(p: np.ndarray, q: np.ndarray, n: int) -> float:
     return float(min(1.0, max(0.0, 1.0 - max(0.0, gap))))
 
 
-def _wor_all_in_prefixes(q: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
-    r"""``[V+1]``: :math:`\Pr[\text{all } n \text{ drafts} \in A_k]` without replacement, ``A_k`` = first ``k`` of ``order``."""
-    v = q.shape[0]
-    q_ord = q[order]
-    pos = q_ord > 0
-    m = int(pos.sum())
-    count = np.concatenate([[0], np.cumsum(pos)])  # support tokens among the first k
-    if m <= n:
-        # the drafts are the whole support: all in A_k iff A_k contains it
-        return (count == m).astype(np.float64)
-    qs = q_ord[pos]  # support tokens in prefix order
+def _wor_all_in(qs: np.ndarray, n: int) -> np.ndarray:
+    r"""``[m]``: :math:`g_k = \Pr[\text{all drafts} \in A_k]`, ``k = 1..m``, without replacement.
+
+    ``qs`` are the ``m`` positive draft probabilities in prefix order. Exact enumeration for small ``m``,
+    else the quadrature of :mod:`quickdraft.theory._wor`.
+    """
+    m = qs.shape[0]
+    if m <= n:  # the drafts are the whole support
+        return (np.arange(1, m + 1) == m).astype(np.float64)
     if n == 1:
-        g = np.cumsum(qs)
-    elif math.perm(m, n) <= _EXACT_TUPLE_LIMIT:
-        g = _wor_exact(qs, n)
-    else:
-        g = _wor_quadrature(qs, n)
-    out = np.zeros(v + 1)
-    has = count > 0
-    out[has] = g[count[has] - 1]
-    return np.clip(out, 0.0, 1.0)
+        return np.cumsum(qs)
+    if math.perm(m, n) <= _EXACT_TUPLE_LIMIT:
+        return _wor_exact(qs, n)
+    return _wor.WorPrefixes(qs, n).all()
+
+
+def _wor_max_gap(qs: np.ndarray, ps: np.ndarray, p_cum: np.ndarray, n: int) -> float:
+    r""":math:`\max_{0 \le k \le m} (g_k - p(A_k))` without replacement (``p_cum``: ``[m+1]`` prefix target mass)."""
+    m = qs.shape[0]
+    if m > n and n > 1 and math.perm(m, n) > _EXACT_TUPLE_LIMIT:
+        return _wor.WorPrefixes(qs, n).max_gap(ps)
+    g = np.concatenate([[0.0], _wor_all_in(qs, n)])
+    return float(np.max(g - p_cum))
 
 
 def _wor_exact(qs: np.ndarray, n: int) -> np.ndarray:
@@ -289,105 +294,6 @@ def _wor_exact(qs: np.ndarray, n: int) -> np.ndarray:
     prob = np.prod(vals / rem, axis=1)
     last = tup.max(axis=1)
     return np.cumsum(np.bincount(last, weights=prob, minlength=m))
-
-
-def _wor_quadrature(qs: np.ndarray, n: int) -> np.ndarray:
-    r""":math:`g_k = \Pr[D \subseteq A_k]` for all prefixes by an exponential-race integral.
-
-    Sampling without replacement is the order of independent clocks :math:`T_x \sim \mathrm{Exp}(q_x)`.
-    All ``n`` drafts lie in :math:`A` iff the ``n``-th arrival in :math:`A` precedes the first arrival
-    outside, which is :math:`\mathrm{Exp}(\lambda)` with :math:`\lambda = 1 - q(A)`:
-
-    .. math::
-
-        g = \int_0^\infty \lambda e^{-\lambda t} F(t)\, dt,
-        \qquad F(t) = \Pr[N_A(t) \ge n],\quad N_A(t) = \sum_{x \in A} \mathrm{Bern}(1 - e^{-q_x t}).
-
-    Subtracting :math:`\psi(t) = (1 - e^{-\mu t})^n`, whose transform is
-    :math:`\prod_{i=1}^n i\mu / (i\mu + \lambda)`, leaves an integrand that decays like :math:`t^n` at 0
-    and exponentially at infinity; in :math:`y = \log t` it is analytic in a strip, so the trapezoidal
-    rule converges geometrically. :math:`\Pr[N_A(t) \le n-1]` for every prefix at once comes from
-    prefix recursions of the elementary symmetric polynomials of :math:`r_x = e^{q_x t} - 1`
-    (all terms positive, no cancellation); clocks with :math:`q_x t > 36` count as arrived.
-    """
-    m = qs.shape[0]
-    lam = np.concatenate([np.cumsum(qs[::-1])[::-1][1:], [0.0]])  # mass outside each prefix
-    lam = np.maximum(lam, 0.0)
-    mu = float(np.sort(qs)[-n])  # n-th largest draft probability: natural decay rate of 1 - F
-    # n-th largest q inside each prefix (decay rate of Pr[N <= n-1] for that prefix)
-    kth = _running_nth_largest(qs, n)
-    valid = np.arange(m) >= n - 1
-    rate = np.maximum(lam, np.minimum(mu, kth))
-    t_hi = (40.0 + math.log(n)) / float(rate[valid & (lam > 0)].min(initial=np.inf)) if (valid & (lam > 0)).any() else 1.0
-    t_lo = (1e-18 * math.factorial(n)) ** (1.0 / (n + 1)) / max(1.0, mu)
-    ys = np.arange(math.log(t_lo), math.log(t_hi) + _LOG_STEP, _LOG_STEP)
-    acc = np.zeros(m)
-    log_v = math.log(m)
-    sure = min(_SURE, (690.0 - (n - 1) * log_v) / max(1, n - 1))
-    if sure < 25.0:
-        raise QuickdraftError(f"num_drafts={n} is too large for the without-replacement quadrature at V={m}")
-    for y in ys:
-        t = math.exp(y)
-        big_g = _prob_fewer_than(qs, n, t, sure)  # [m] Pr[N_{A_k}(t) <= n-1]
-        psi = (-math.expm1(-mu * t)) ** n
-        acc += t * lam * np.exp(-lam * t) * ((1.0 - big_g) - psi)
-    g = _LOG_STEP * acc + np.prod(
-        (np.arange(1, n + 1)[None, :] * mu) / (np.arange(1, n + 1)[None, :] * mu + lam[:, None]), axis=1
-    )
-    g[~valid] = 0.0
-    g[lam <= 0] = 1.0
-    return np.clip(g, 0.0, 1.0)
-
-
-def _running_nth_largest(qs: np.ndarray, n: int) -> np.ndarray:
-    """``[m]``: the ``n``-th largest of ``qs[: k+1]`` (0 while the prefix has fewer than ``n``)."""
-    m = qs.shape[0]
-    out = np.zeros(m)
-    if m < n:
-        return out
-    # a value is the running n-th largest only after n larger-or-equal values were seen; use a
-    # threshold scan over sorted candidates (exact, O(m log m))
-    import heapq
-
-    heap = list(qs[:n])
-    heapq.heapify(heap)
-    out[n - 1] = heap[0]
-    for k in range(n, m):
-        if qs[k] > heap[0]:
-            heapq.heapreplace(heap, qs[k])
-        out[k] = heap[0]
-    return out
-
-
-def _prob_fewer_than(qs: np.ndarray, n: int, t: float, sure: float) -> np.ndarray:
-    r"""``[m]``: :math:`\Pr[N_{A_k}(t) \le n - 1]` for every prefix ``A_k`` (independent clocks)."""
-    x = qs * t
-    is_sure = x > sure
-    n_sure = np.cumsum(is_sure)
-    stop = int(np.searchsorted(n_sure, n))  # from here on n clocks surely arrived: probability 0
-    out = np.zeros(qs.shape[0])
-    if stop == 0:
-        return out
-    x = x[:stop]
-    is_sure = is_sure[:stop]
-    n_sure = n_sure[:stop]
-    r = np.where(is_sure, 0.0, np.expm1(np.where(is_sure, 0.0, x)))
-    log_d0 = -np.cumsum(np.where(is_sure, 0.0, x))
-    room = (n - 1) - n_sure  # how many uncertain arrivals are still allowed
-    total = np.ones(stop)  # e_0
-    e_prev = np.ones(stop)
-    for j in range(1, n):
-        shifted = np.empty(stop)
-        shifted[0] = 1.0 if j == 1 else 0.0
-        shifted[1:] = e_prev[:-1]
-        e_j = np.cumsum(r * shifted)
-        total += np.where(room >= j, e_j, 0.0)
-        e_prev = e_j
-    with np.errstate(under="ignore", over="ignore", invalid="ignore"):
-        val = np.exp(log_d0) * total
-    val = np.where(np.isfinite(val), val, 0.0)
-    out[:stop] = np.clip(val, 0.0, 1.0)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,326 @@
+"""Token-tree speculative decoding with a draft model: one target forward verifies a whole tree.
+
+One step, for every row of the batch at once::
+
+    1. draft    the draft model reads its pending tokens (root = last emitted token) and grows a
+                token tree layer by layer (:func:`quickdraft.tree.build_tree`: d draft forwards)
+    2. verify   one target forward over the M = N + 1 tree nodes with the tree attention mask
+                (:meth:`ModelRunner.forward_tree`)                              -> [B, M, V]
+    3. accept   walk down from the root (:func:`verify_tree`): at each node a step-level verifier
+                emits one token distributed as the target; continue while it is a child
+    4. commit   both runners keep only the accepted path's KV slots (:meth:`ModelRunner.commit_tree`)
+
+Terms follow :mod:`quickdraft.verify`: the accepted tokens are the tree nodes on the walked path,
+then one recovered token (the walk left the tree) or bonus token (it reached a leaf); the
+acceptance length is ``accepted + 1`` tokens per target forward. Metrics count the drafted tokens
+as the tree's valid nodes and the per-position acceptance rates by depth.
+
+Why the output is exactly target-distributed: see :mod:`quickdraft.tree`. At temperature 0 the walk
+follows the child equal to the target's argmax, which reproduces plain greedy decoding.
+
+FSD on trees (Holsman et al. 2025, arXiv:2502.20704, who apply FSD to EAGLE-2 trees): at node ``v``
+with ``D(p_v, q_v) ≤ T`` (``p_v``, ``q_v`` the target's and the draft's distributions after ``v``'s
+path, raw temperature-1 ones when the rule says so) the walk accepts ``v``'s *first* draft (the
+draft's best child for ``topk`` trees) without a test, counted as a lossy acceptance; above the
+threshold the node is verified losslessly by the chosen verifier. This is chain FSD's rule applied
+at every node: the divergence is a property of the parent's two distributions, and the draft's
+own ranking picks which branch to trust. Verifying above ``T`` losslessly (rather than sampling
+``p_v`` and stopping) keeps the walk going down when the sample is a child and makes ``T = 0`` the
+lossless tree decoder.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from quickdraft.divergences import get_divergence
+from quickdraft.drafters import pending_block
+from quickdraft.engine import GenerationOutput, TokenCallback, _stop_index
+from quickdraft.errors import QuickdraftError
+from quickdraft.metrics import GenerationMetrics
+from quickdraft.multidraft_proposals import sample_rows
+from quickdraft.multidraft_verifiers import kseq_verify, optimal_greedy_verify, rrs_verify
+from quickdraft.rules import Fuzzy, Rule
+from quickdraft.runner import ModelRunner
+from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
+from quickdraft.tree import TokenTree, TreeConfig, build_tree, check_combination, proposals_for
+
+
+@dataclass
+class TreeVerification:
+    """Result of verifying one tree per row.
+
+    Attributes
+    ----------
+    output_ids: ``[B, D + 1]`` int64 accepted tokens, then the recovered-or-bonus token, then ``-1``.
+    path: ``[B, D + 1]`` int64 tree nodes of the kept path, root first (``-1`` padded).
+    num_accepted: ``[B]`` int64 accepted draft tokens (the row emits ``num_accepted + 1``).
+    num_lossy: ``[B]`` int64 accepted by FSD's divergence test.
+    """
+
+    output_ids: torch.Tensor
+    path: torch.Tensor
+    num_accepted: torch.Tensor
+    num_lossy: torch.Tensor
+
+
+def _node_token(
+    verifier: str, scheme: str, target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_ids: torch.Tensor,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """One emitted token per row from ``target_probs [g, V]`` and the drafts ``[g, n]`` (n ≥ 1)."""
+    drafts = proposals_for(scheme, draft_probs, draft_ids)
+    if verifier == "rrs":
+        return rrs_verify(target_probs, drafts, generator)
+    if verifier == "kseq":
+        return kseq_verify(target_probs, draft_probs, drafts, generator)
+    return optimal_greedy_verify(target_probs, drafts, generator)
+
+
+def verify_tree(
+    tree: TokenTree,
+    target_probs: torch.Tensor,
+    *,
+    verifier: str = "rrs",
+    greedy: bool = False,
+    fuzzy: Fuzzy | None = None,
+    raw_target_probs: torch.Tensor | None = None,
+    active: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> TreeVerification:
+    """Walk every row's tree from the root, emitting target-distributed tokens (batched).
+
+    Parameters
+    ----------
+    tree:
+        The trees (``M`` nodes per row).
+    target_probs:
+        ``[B, M, V]`` the target's processed distribution after every node's path.
+    verifier:
+        ``"rrs"``, ``"kseq"`` or ``"optimal_greedy"`` (must suit ``tree.scheme``).
+    greedy:
+        Temperature 0: emit the target's argmax at every node (follow the matching child).
+    fuzzy:
+        FSD rule (see the module docstring); ``None`` for lossless verification.
+    raw_target_probs:
+        ``[B, M, V]`` temperature-1 target distributions for FSD's divergence.
+    active:
+        ``[B]`` bool rows to verify (others emit nothing and keep only the root).
+    generator:
+        Random source.
+    """
+    b, m, v = target_probs.shape
+    if tree.tokens.shape != (b, m):
+        raise QuickdraftError(f"target_probs must be [B={tree.tokens.shape[0]}, M={tree.num_nodes}, V], got {tuple(target_probs.shape)}")
+    if not greedy:
+        check_combination(tree.scheme, verifier)
+    depth = int(tree.depths.max())
+    out = torch.full((b, depth + 1), -1, dtype=torch.long)
+    path = torch.full((b, depth + 1), -1, dtype=torch.long)
+    path[:, 0] = 0
+    cur = torch.zeros(b, dtype=torch.long)
+    num_accepted = torch.zeros(b, dtype=torch.long)
+    num_lossy = torch.zeros(b, dtype=torch.long)
+    done = torch.zeros(b, dtype=torch.bool) if active is None else ~active.cpu()
+    divergence = get_divergence(fuzzy.divergence, fuzzy.top_k) if fuzzy is not None else None
+    for step in range(depth + 1):
+        rows = (~done).nonzero().squeeze(-1)
+        if rows.numel() == 0:
+            break
+        node = cur[rows]
+        p = target_probs[rows, node].double()  # [g, V]
+        n_drafts = tree.num_drafts[rows, node]  # [g]
+        ids = tree.draft_ids[rows, node]  # [g, c]
+        token = torch.empty(rows.numel(), dtype=torch.long)
+        lossy = torch.zeros(rows.numel(), dtype=torch.bool)
+        if fuzzy is not None and fuzzy.threshold > 0:
+            e = tree.expanded[rows, node].clamp_min(0)
+            use_raw = fuzzy.use_raw and raw_target_probs is not None and tree.expanded_raw is not None
+            q_d = (tree.expanded_raw if use_raw else tree.expanded_probs)[rows, e]
+            p_d = raw_target_probs[rows, node] if use_raw else target_probs[rows, node]
+            lossy = (n_drafts > 0) & (divergence(p_d.float(), q_d.float()) <= fuzzy.threshold)
+            token[lossy] = ids[lossy, 0]
+        if greedy:
+            token[~lossy] = p[~lossy].argmax(dim=-1)
+        else:
+            for n in sorted(set(n_drafts[~lossy].tolist())):
+                g = ((n_drafts == n) & ~lossy).nonzero().squeeze(-1)
+                if n == 0:  # a leaf: the bonus token
+                    token[g] = sample_rows(p[g], generator)
+                    continue
+                q = tree.expanded_probs[rows[g], tree.expanded[rows[g], node[g]]].double()
+                token[g] = _node_token(verifier, tree.scheme, p[g], q, ids[g, :n], generator)
+        out[rows, step] = token
+        # follow the node holding the emitted token, if it is one of the drafts
+        match = (ids == token.unsqueeze(1)) & (torch.arange(ids.shape[1]).unsqueeze(0) < n_drafts.unsqueeze(1))
+        found = match.any(dim=1)
+        col = match.long().argmax(dim=1)
+        child = tree.child_of[rows, node].gather(1, col.unsqueeze(1)).squeeze(1)
+        go = found & (child >= 0)
+        done[rows[~go]] = True
+        if not bool(go.any()):
+            break
+        num_accepted[rows[go]] += 1
+        num_lossy[rows[go & lossy]] += 1
+        cur[rows[go]] = child[go]
+        path[rows[go], step + 1] = child[go]
+    return TreeVerification(output_ids=out, path=path, num_accepted=num_accepted, num_lossy=num_lossy)
+
+
+def generate_tree(
+    target: ModelRunner,
+    draft: ModelRunner,
+    prompts: list[list[int]],
+    *,
+    config: TreeConfig = TreeConfig(),
+    verifier: str = "rrs",
+    rule: Rule | None = None,
+    sampling: SamplingParams = SamplingParams(),
+    max_new_tokens: int = 128,
+    seed: int | None = 0,
+    eos_token_ids: set[int] | None = None,
+    stop: Callable[[int, list[int]], int | None] | None = None,
+    on_tokens: TokenCallback | None = None,
+) -> GenerationOutput:
+    """Generate continuations of a batch of prompts with token-tree speculative decoding.
+
+    Inputs and outputs as :func:`quickdraft.engine.generate`; batched (``B ≥ 1``, every row has its
+    own dynamic tree with the same node count).
+
+    Parameters
+    ----------
+    target, draft:
+        The target's and the draft model's runners (same vocabulary).
+    config:
+        Tree shape and how children are drawn (:class:`quickdraft.tree.TreeConfig`). At
+        temperature 0 the ``topk`` scheme is used whatever ``config.scheme`` says.
+    verifier:
+        Step-level verifier at every node: ``"rrs"``, ``"kseq"``, ``"optimal_greedy"``
+        (ignored at temperature 0, where the walk follows the target's argmax).
+    rule:
+        ``None`` (or a lossless rule) for exact verification, or :class:`quickdraft.rules.Fuzzy`
+        for FSD on trees (see the module docstring).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise QuickdraftError("empty prompt: every prompt needs at least one token")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise QuickdraftError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    fuzzy = rule if isinstance(rule, Fuzzy) else None
+    if rule is not None and fuzzy is None and not rule.lossless:
+        raise QuickdraftError(f"rule {rule.name!r} is not supported on trees; use fsd or a lossless rule")
+    greedy = sampling.greedy
+    if greedy and config.scheme != "topk":
+        config = TreeConfig(depth=config.depth, topk=config.topk, budget=config.budget, scheme="topk", paths=config.paths)
+    if not greedy:
+        check_combination(config.scheme, verifier)
+    eos_ids = set(eos_token_ids or ())
+    vocab = int(target.model.config.vocab_size)
+    needed = max(len(p) for p in prompts) + max_new_tokens + config.tree_depth + 1
+    if needed > min(target.max_positions, draft.max_positions):
+        raise QuickdraftError(
+            f"context overflow: prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"+ tree depth exceeds the models' maximum of {min(target.max_positions, draft.max_positions)} tokens"
+        )
+
+    b = len(prompts)
+    generator = torch.Generator().manual_seed(int(seed) if seed is not None else int(torch.seed() % (1 << 62)))
+    sequences = [list(p) for p in prompts]
+    new_ids: list[list[int]] = [[] for _ in range(b)]
+    metrics = [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
+    active = torch.ones(b, dtype=torch.bool)
+    finish = ["length"] * b
+
+    # -- prefill: everything but each prompt's last token, in both models ----------------------
+    t0 = time.perf_counter()
+    for runner in (target, draft):
+        runner.reset(b)
+        runner.num_forwards = 0
+        prefix = [s[:-1] for s in sequences]
+        if max(len(p) for p in prefix) > 0:
+            ids, valid = pending_block(prefix, runner.lengths)
+            runner.forward(ids, valid, logits_to_keep=1)
+    for m in metrics:
+        m.target_forwards += 1 if max(len(p) for p in prompts) > 1 else 0
+    prefill_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    total_draft_forwards = 0
+    while active.any():
+        # 1. draft: the draft reads its pending tokens, then grows the tree
+        forwards_before = draft.num_forwards
+        pend_ids, pend_valid = pending_block(sequences, draft.lengths)
+        root_logits = draft.forward(pend_ids, pend_valid, logits_to_keep=1).logits[:, -1, :vocab]
+        roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
+        draft.begin_tree()
+
+        def expand(tokens, depths, mask, valid):
+            return draft.forward_tree(tokens, depths, mask, valid).logits
+
+        tree = build_tree(roots, root_logits, expand, config, sampling, generator, keep_raw=fuzzy is not None)
+        step_draft_forwards = draft.num_forwards - forwards_before
+        total_draft_forwards += step_draft_forwards
+        # 2. verify: one target forward over all nodes (the root is the target's only pending token)
+        target.begin_tree()
+        out = target.forward_tree(tree.tokens, tree.depths, tree.mask(), tree.valid)
+        target_logits = out.logits[:, :, :vocab]  # [B, M, V]
+        target_probs = logits_to_probs(target_logits, sampling)
+        raw_target = raw_probs(target_logits) if fuzzy is not None else None
+        # 3. accept
+        result = verify_tree(
+            tree, target_probs, verifier=verifier, greedy=greedy, fuzzy=fuzzy, raw_target_probs=raw_target,
+            active=active, generator=generator,
+        )
+        # 4. commit: the target keeps root + accepted nodes; the draft the accepted nodes it was fed
+        kept = result.num_accepted + 1
+        target.commit_tree(result.path.clamp_min(0), torch.where(active, kept, 0))
+        node_slots = tree.draft_slot.gather(1, result.path[:, 1:].clamp_min(0))  # [B, D]
+        on_path = torch.arange(node_slots.shape[1]).unsqueeze(0) < result.num_accepted.unsqueeze(1)
+        fed_prefix = ((node_slots >= 0) & on_path).long().cumprod(dim=1).sum(dim=1)
+        draft.commit_tree(node_slots.clamp_min(0), torch.where(active, fed_prefix, 0))
+        for row in range(b):
+            if not active[row]:
+                continue
+            n = int(result.num_accepted[row])
+            emitted = result.output_ids[row, : n + 1].tolist()
+            m = metrics[row]
+            m.target_forwards += 1
+            m.draft_forwards += step_draft_forwards
+            m.record_step(config.tree_depth, n, int(result.num_lossy[row]))
+            m.drafted_tokens += int(tree.valid[row, 1:].sum()) - config.tree_depth
+            room = max_new_tokens - len(new_ids[row])
+            emitted = emitted[:room]
+            cut = _stop_index(emitted, eos_ids)
+            if cut is not None:
+                emitted = emitted[: cut + 1]
+                finish[row] = "eos"
+            new_ids[row].extend(emitted)
+            sequences[row].extend(emitted)
+            if stop is not None:
+                stop_cut = stop(row, new_ids[row])
+                if stop_cut is not None:
+                    drop = len(new_ids[row]) - stop_cut
+                    if drop > 0:
+                        del new_ids[row][stop_cut:]
+                        del sequences[row][len(sequences[row]) - drop:]
+                        emitted = emitted[: max(0, len(emitted) - drop)]
+                    finish[row] = "stop"
+            if on_tokens is not None and emitted:
+                on_tokens(row, emitted)
+            if finish[row] != "length" or len(new_ids[row]) >= max_new_tokens:
+                active[row] = False
+    decode_seconds = time.perf_counter() - t1
+
+    for m, ids in zip(metrics, new_ids):
+        m.new_tokens = len(ids)
+        m.prefill_seconds = prefill_seconds
+        m.decode_seconds = decode_seconds
+    batch = GenerationMetrics.aggregate(metrics)
+    batch.prefill_seconds = prefill_seconds
+    batch.decode_seconds = decode_seconds
+    batch.target_forwards = target.num_forwards
+    batch.draft_forwards = total_draft_forwards
+    return GenerationOutput(sequences=new_ids, metrics=metrics, batch_metrics=batch, finish_reasons=finish)

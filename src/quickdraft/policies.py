@@ -61,7 +61,7 @@ References
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
@@ -226,6 +226,12 @@ class Heuristic(Policy):
 class Confidence(Policy):
     """Stop drafting after a token whose draft distribution has top probability below ``p_min``.
 
+    The confidence is read from the temperature-1 distribution. The engine hands the policy the
+    *processed* draft distribution, which at temperature 0 is one-hot (top probability 1, so the
+    policy would never stop); given ``output_head`` (the draft model's ``lm_head``) the policy
+    recomputes the temperature-1 distribution from the hidden state that produced the token,
+    ``softmax(lm_head(h))``, at the price of one more ``lm_head`` product per draft token.
+
     A row is *at risk* (risk 1) from its first low-confidence token on; the batch stops by
     :func:`batch_stop` with threshold 1/2 (``"mean"``: when more than half the rows are at risk).
 
@@ -234,11 +240,13 @@ class Confidence(Policy):
     p_min: confidence threshold in ``[0, 1]`` (0 never stops early: ``Constant(max_k)``).
     max_k: the most tokens per step.
     batch_rule: see the module docstring.
+    output_head: optional ``[B, H] -> [B, V]`` logits map of the draft model (see above).
     """
 
     p_min: float = 0.5
     max_k: int = 10
     batch_rule: BatchRule = "mean"
+    output_head: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
     name = "confidence"
     _dead: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -247,14 +255,20 @@ class Confidence(Policy):
             raise QuickdraftError(f"p_min must be in [0, 1], got {self.p_min!r}")
         _check_k(self.max_k, "max_k")
         _check_batch_rule(self.batch_rule)
+        self.needs_hidden = self.output_head is not None
 
     def begin_step(self) -> int:
         self._dead = None
         return self.max_k
 
     def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None) -> bool:
-        # draft_probs: [B, V]
-        low = draft_probs.max(dim=-1).values < self.p_min  # [B]
+        # draft_probs: [B, V]; hidden: [B, H] (the state whose logits drew token i)
+        if self.output_head is not None and hidden is not None:
+            with torch.inference_mode():
+                top = torch.softmax(self.output_head(hidden).float(), dim=-1).max(dim=-1).values
+        else:
+            top = draft_probs.max(dim=-1).values
+        low = top < self.p_min  # [B]
         self._dead = low if self._dead is None or self._dead.shape != low.shape else self._dead | low
         return not batch_stop(self._dead.float(), 0.5, self.batch_rule)
 

@@ -421,6 +421,19 @@ def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: st
         emitted; if all are rejected emit from :math:`\mathrm{norm}((p - \rho q)^+)` (the residual that
         makes the output law exactly :math:`p`, see ``docs/theory.md``). Rate
         :math:`1 - (1 - \beta(\rho))^n = \rho \beta(\rho)` with :math:`\rho` = :func:`kseq_rho`.
+    ``"rrs"`` with ``"greedy"`` (the convention of :func:`quickdraft.multidraft.sample_step`)
+        The ``n - 1`` deterministic drafts :math:`G = (g_1, \dots, g_{n-1})` (decreasing ``q``) are draws
+        from point masses :math:`\delta_{g_i}`, so RRS accepts :math:`g_i` with probability
+        :math:`p_i(g_i)` and a rejection removes :math:`g_i` from :math:`p_i` (renormalised). The
+        probability that all of them are rejected telescopes to :math:`1 - p(G)`, after which
+        :math:`p_n = p|_{G^c} / (1 - p(G))` is tested against the sampled draft's law :math:`q'`:
+
+        .. math::
+
+            \alpha_{\text{rrs,greedy}} = p(G) + \sum_{x \notin G} \min\bigl(p(x), (1 - p(G))\, q'(x)\bigr)
+            \;\le\; \alpha^*_{\text{greedy}}.
+
+        If :math:`q(G^c) = 0` there is no sampled draft and the rate is :math:`p(G)`.
     ``"optimal_greedy"`` with ``"greedy"`` (Hu et al. 2025, §5)
         The plan of :func:`greedy_optimal_plan`; rate :math:`p(G) + \sum_{x \notin G}\min(p, q')`.
 
@@ -439,7 +452,11 @@ def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: st
     n = _validate.num_drafts(num_drafts)
     s = _validate.sampling(sampling)
     ver = _validate.verifier(verifier)
-    allowed = {"rrs": ("with_replacement", "without_replacement"), "kseq": ("with_replacement",), "optimal_greedy": ("greedy",)}
+    allowed = {
+        "rrs": ("with_replacement", "without_replacement", "greedy"),
+        "kseq": ("with_replacement",),
+        "optimal_greedy": ("greedy",),
+    }
     if s not in allowed[ver]:
         raise QuickdraftError(f"verifier {ver!r} is not defined for sampling {s!r} (use {', '.join(allowed[ver])})")
     if ver == "kseq":
@@ -448,6 +465,8 @@ def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: st
         return float(min(1.0, 1.0 - (1.0 - beta) ** n))
     if ver == "optimal_greedy":
         return greedy_optimal_plan(p, q, n).acceptance
+    if s == "greedy":
+        return _rrs_greedy_rate(p, q, n)
     if s == "with_replacement":
         reject = 1.0
         cur = p
@@ -459,6 +478,20 @@ def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: st
             cur = np.maximum(cur - q, 0.0) / tv
         return float(min(1.0, max(0.0, 1.0 - reject)))
     return float(min(1.0, max(0.0, 1.0 - _rrs_wor_reject(p, q, n))))
+
+
+def _rrs_greedy_rate(p: np.ndarray, q: np.ndarray, n: int) -> float:
+    """RRS over greedy drafts, top tokens as point masses (see :func:`verifier_acceptance`)."""
+    top = _greedy_top(q, n)
+    in_top = np.zeros(q.shape[0], dtype=bool)
+    in_top[top] = True
+    p_top = float(p[in_top].sum())
+    rest_mass = float(q[~in_top].sum())
+    if rest_mass <= 0:
+        return float(min(1.0, p_top))
+    q_rest = q[~in_top] / rest_mass
+    rate = p_top + float(np.minimum(p[~in_top], max(0.0, 1.0 - p_top) * q_rest).sum())
+    return float(min(1.0, max(0.0, rate)))
 
 
 def _rrs_wor_reject(p: np.ndarray, q: np.ndarray, n: int) -> float:

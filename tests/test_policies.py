@@ -1,0 +1,265 @@
+"""Draft-length policies: stopping arithmetic, state transitions, and that no policy changes the output."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from quickdraft.drafters import ModelDrafter
+from quickdraft.engine import generate
+from quickdraft.errors import QuickdraftError
+from quickdraft.head import AcceptanceHead
+from quickdraft.methods import build_policy
+from quickdraft.policies import (
+    Confidence,
+    Constant,
+    Heuristic,
+    Policy,
+    SpecDecPP,
+    batch_stop,
+    heuristic_next_k,
+    rejection_risk,
+)
+from quickdraft.rules import Lossless
+from quickdraft.runner import ModelRunner
+from quickdraft.sampling import SamplingParams
+
+from conftest import TINY_VOCAB, tiny_lm
+from test_engine import PROMPTS, _chi_square_pvalue, _exact_two_token_distribution, _two_token_counts
+
+
+def constant_head(p: float, hidden: int = 32) -> AcceptanceHead:
+    """A head that predicts acceptance probability ``p`` for every hidden state."""
+    head = AcceptanceHead(hidden, num_layers=0)
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.bias.fill_(math.log(p / (1 - p)))
+    return head
+
+
+def random_head(seed: int, hidden: int = 32) -> AcceptanceHead:
+    torch.manual_seed(seed)
+    return AcceptanceHead(hidden, num_layers=1).eval()
+
+
+# -- the stopping rule's arithmetic ----------------------------------------------------------------
+
+
+def test_rejection_risk_is_one_minus_the_product():
+    probs = torch.tensor([[0.9, 0.5], [1.0, 1.0], [0.2, 1.0]])
+    assert torch.allclose(rejection_risk(probs), torch.tensor([0.55, 0.0, 0.8]))
+    assert rejection_risk(torch.zeros(3, 0)).tolist() == [0.0, 0.0, 0.0]  # nothing drafted, nothing at risk
+    with pytest.raises(QuickdraftError, match=r"\[B, n\]"):
+        rejection_risk(torch.tensor([0.5]))
+
+
+def test_batch_stop_rules_and_strict_threshold():
+    risk = torch.tensor([0.1, 0.2, 0.9])  # mean 0.4
+    assert batch_stop(risk, 0.35, "mean") and not batch_stop(risk, 0.45, "mean")
+    assert batch_stop(risk, 0.5, "any") and not batch_stop(risk, 0.95, "any")
+    assert not batch_stop(risk, 0.15, "all") and batch_stop(risk, 0.05, "all")
+    assert not batch_stop(torch.tensor([0.3]), 0.3)  # keep drafting while 1 - prod <= h
+    with pytest.raises(QuickdraftError, match="batch rule"):
+        batch_stop(risk, 0.5, "median")
+
+
+def test_heuristic_schedule():
+    assert heuristic_next_k(4, True, 1, 16) == 6
+    assert heuristic_next_k(4, False, 1, 16) == 3
+    assert heuristic_next_k(15, True, 1, 16) == 16
+    assert heuristic_next_k(1, False, 1, 16) == 1
+
+
+# -- state transitions -----------------------------------------------------------------------------
+
+
+def test_heuristic_state_transitions():
+    pol = Heuristic(initial_k=4, min_k=2, max_k=7)
+    assert pol.begin_step() == 4 and pol.begin_step() == 4  # asking twice does not move the state
+    pol.update(4, torch.tensor([4]))
+    assert pol.begin_step() == 6
+    pol.update(6, torch.tensor([6]))
+    assert pol.begin_step() == 7  # clipped at max_k
+    for _ in range(10):
+        pol.update(pol.begin_step(), torch.tensor([0]))
+    assert pol.begin_step() == 2  # clipped at min_k
+    pol.update(2, torch.tensor([2, 2, 0]))  # 2 of 3 rows fully accepted -> counts as full
+    assert pol.begin_step() == 4
+    pol.update(4, torch.tensor([4, 1, 0]))  # 1 of 3 -> not full
+    assert pol.begin_step() == 3
+    pol.reset()
+    assert pol.begin_step() == 4
+    with pytest.raises(QuickdraftError, match="min_k <= initial_k"):
+        Heuristic(initial_k=20, max_k=10)
+
+
+def test_confidence_state_transitions():
+    pol = Confidence(p_min=0.6, max_k=5)
+    confident = torch.tensor([[0.9, 0.1]])
+    unsure = torch.tensor([[0.5, 0.5]])
+    assert pol.begin_step() == 5
+    assert pol.keep_drafting(0, confident, None)
+    assert not pol.keep_drafting(1, unsure, None)
+    pol.begin_step()  # a new step forgets the low-confidence token
+    assert pol.keep_drafting(0, confident, None)
+    # batch: a row stays "at risk" for the rest of the step once it was unsure; mean rule, h = 1/2
+    pol.begin_step()
+    assert pol.keep_drafting(0, torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.9, 0.1]]), None)  # 1/3 at risk
+    assert not pol.keep_drafting(1, torch.tensor([[0.9, 0.1], [0.5, 0.5], [0.9, 0.1]]), None)  # 2/3
+    anyrule = Confidence(p_min=0.6, max_k=5, batch_rule="any")
+    anyrule.begin_step()
+    assert not anyrule.keep_drafting(0, torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.9, 0.1]]), None)
+    with pytest.raises(QuickdraftError, match="p_min"):
+        Confidence(p_min=1.5)
+
+
+def test_specdecpp_stops_when_predicted_rejection_risk_passes_h():
+    pol = SpecDecPP(constant_head(0.8), threshold=0.3, max_k=10)
+    h = torch.zeros(1, 32)
+    probs = torch.full((1, 4), 0.25)
+    assert pol.begin_step() == 10
+    assert pol.keep_drafting(0, probs, h)  # hidden of the accepted context: nothing scored yet
+    assert pol.keep_drafting(1, probs, h)  # risk 1 - 0.8 = 0.2 <= 0.3
+    assert torch.allclose(pol.risk(), torch.tensor([0.2]))
+    assert not pol.keep_drafting(2, probs, h)  # risk 1 - 0.64 = 0.36 > 0.3: 3 tokens drafted
+    pol.begin_step()
+    assert pol.risk() is None  # per-step state is reset
+    # min_k forces drafting on regardless of the risk
+    strict = SpecDecPP(constant_head(0.1), threshold=0.0, min_k=3, max_k=10)
+    strict.begin_step()
+    assert [strict.keep_drafting(i, probs, h) for i in range(4)] == [True, True, False, False]
+    # batch, mean rule: rows with P = 0.9 and 0.5 -> mean risk after one scored token is 0.3
+    head = AcceptanceHead(2, num_layers=0)
+    with torch.no_grad():
+        head.out.weight.copy_(torch.tensor([[1.0, 0.0]]))
+        head.out.bias.zero_()
+    two = torch.tensor([[math.log(9.0), 0.0], [0.0, 0.0]])  # sigmoid -> 0.9, 0.5
+    for rule, expected in (("mean", True), ("any", False), ("all", True)):
+        pol = SpecDecPP(head, threshold=0.35, batch_rule=rule)
+        pol.begin_step()
+        pol.keep_drafting(0, probs[:1].expand(2, 4), two)
+        assert pol.keep_drafting(1, probs[:1].expand(2, 4), two) is expected, rule
+
+
+def test_specdecpp_errors():
+    pol = SpecDecPP(constant_head(0.8), threshold=0.5)
+    pol.begin_step()
+    with pytest.raises(QuickdraftError, match="hidden states"):
+        pol.keep_drafting(1, torch.ones(1, 4) / 4, None)
+    with pytest.raises(QuickdraftError, match="hidden size 32"):
+        pol.keep_drafting(1, torch.ones(1, 4) / 4, torch.zeros(1, 16))
+    with pytest.raises(QuickdraftError, match="threshold"):
+        SpecDecPP(constant_head(0.8), threshold=1.5)
+    with pytest.raises(QuickdraftError, match="min_k <= max_k"):
+        SpecDecPP(constant_head(0.8), min_k=5, max_k=2)
+
+
+def test_build_policy_names(tmp_path):
+    from quickdraft.head import save_head
+
+    assert isinstance(build_policy("heuristic", 4), Heuristic)
+    conf = build_policy("confidence", 6, stop_threshold=0.4)
+    assert isinstance(conf, Confidence) and conf.p_min == 0.4 and conf.max_k == 6
+    path = save_head(constant_head(0.7), tmp_path / "h.pt")
+    pol = build_policy("specdecpp", 8, head=str(path), stop_threshold=0.2)
+    assert isinstance(pol, SpecDecPP) and pol.threshold == 0.2 and pol.max_k == 8
+    with pytest.raises(QuickdraftError, match="needs --head"):
+        build_policy("specdecpp", 8)
+    with pytest.raises(QuickdraftError, match="unknown policy"):
+        build_policy("oracle", 4)
+
+
+# -- a policy never changes the output -------------------------------------------------------------
+
+
+class Recording(Policy):
+    """Wraps a policy and records the draft length of every step."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.needs_hidden = inner.needs_hidden
+        self.lengths: list[int] = []
+        self._n = 0
+
+    def begin_step(self) -> int:
+        self._n = 1
+        return self.inner.begin_step()
+
+    def keep_drafting(self, i, draft_probs, hidden):
+        keep = self.inner.keep_drafting(i, draft_probs, hidden)
+        self._n = i + 2 if keep else i + 1
+        return keep
+
+    def update(self, num_drafted, num_accepted):
+        self.lengths.append(num_drafted)
+        self.inner.update(num_drafted, num_accepted)
+
+
+def _policies(draft_model=None):
+    return [
+        Constant(3),
+        Heuristic(initial_k=2, max_k=8),
+        Confidence(p_min=0.1, max_k=8, output_head=draft_model.lm_head),  # tiny draft: top probs ~0.06-0.13
+        SpecDecPP(random_head(0), threshold=0.5, max_k=8),
+        SpecDecPP(random_head(1), threshold=0.9, max_k=8, batch_rule="any"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_greedy_output_equals_plain_decoding_with_every_policy(tiny_target, tiny_draft, index):
+    target = ModelRunner(tiny_target, "target")
+    plain = generate(target, PROMPTS, method="ar", max_new_tokens=24)
+    for prompts in (PROMPTS[:1], PROMPTS):  # B = 1 and B = 3
+        policy = Recording(_policies(tiny_draft)[index])
+        drafter = ModelDrafter(ModelRunner(tiny_draft, "draft"), TINY_VOCAB)
+        out = generate(target, prompts, method="sd", drafter=drafter, policy=policy, max_new_tokens=24)
+        assert out.sequences == plain.sequences[: len(prompts)]
+        assert out.batch_metrics.accepted_tokens > 0
+        if index > 0:  # the adaptive policies really varied the draft length
+            assert len(set(policy.lengths)) > 1, policy.lengths
+
+
+class SharpeningPolicy(Constant):
+    """A broken policy: it edits the draft distribution in place (the verifier then checks the
+    draft tokens against a distribution they were not drawn from)."""
+
+    def keep_drafting(self, i, draft_probs, hidden):
+        draft_probs.pow_(3)
+        draft_probs.div_(draft_probs.sum(dim=-1, keepdim=True))
+        return True
+
+
+def test_sampling_with_an_adaptive_policy_matches_the_target():
+    """Two-token continuations through the engine at T = 0.8 with SpecDec++ (random head) choosing
+    the draft length follow the target's exact joint distribution (chi-square, p > 1e-4); the same
+    run with a policy that corrupts the draft distributions in place must fail (p < 1e-6)."""
+    params = SamplingParams(temperature=0.8)
+    model = tiny_lm(seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    draft_model = tiny_lm(seed=7)
+    prompt = [1, 2, 3]
+    exact = _exact_two_token_distribution(model, prompt, params)
+    n, chunks = 30_000, 3
+    target = ModelRunner(model)
+    drafter = ModelDrafter(ModelRunner(draft_model), TINY_VOCAB)
+
+    def run(policy_factory) -> np.ndarray:
+        counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
+        lengths = []
+        for c in range(chunks):
+            policy = Recording(policy_factory())
+            out = generate(target, [prompt] * (n // chunks), method="sd", drafter=drafter, rule=Lossless(),
+                           policy=policy, sampling=params, max_new_tokens=2, seed=100 + c)
+            counts += _two_token_counts(out.sequences)
+            lengths += policy.lengths
+        return counts, lengths
+
+    counts, lengths = run(lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=4))
+    assert 1 < max(lengths) < 4 or len(set(lengths)) > 1, lengths  # the head stopped drafting early
+    assert _chi_square_pvalue(counts, exact) > 1e-4
+    bad, _ = run(lambda: SharpeningPolicy(2))
+    assert _chi_square_pvalue(bad, exact) < 1e-6

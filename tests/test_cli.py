@@ -26,6 +26,11 @@ def _run(*args: str):
         (["--k", "0"], "draft length"),
         (["--policy", "magic"], "unknown policy"),
         (["--target", "/nonexistent/model/dir"], "/nonexistent/model/dir"),
+        (["--method", "fsd", "--threshold", "-0.1"], "threshold"),
+        (["--method", "fsd", "--divergence", "hellinger"], "unknown divergence"),
+        (["--method", "typical", "--epsilon", "0"], "epsilon"),
+        (["--method", "typical", "--delta", "-1"], "delta"),
+        (["--method", "ersd", "--candidates", "0"], "candidates"),
     ],
 )
 def test_bad_arguments_give_one_clear_line_and_exit_code_2(args, needle):
@@ -41,7 +46,7 @@ def test_empty_prompt_is_rejected(real_models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ar", "sd", "ngram"])
+@pytest.mark.parametrize("method", ["sd"])  # every method on the real pair: test_real_models.py
 def test_generate_json_on_the_default_pair(real_models, method):
     result = _run("generate", "Write a Python function that adds two numbers.", "--method", method,
                   "--max-new-tokens", "12", "--json")

@@ -243,7 +243,7 @@ def test_sampling_with_an_adaptive_policy_matches_the_target():
     draft_model = tiny_lm(seed=7)
     prompt = [1, 2, 3]
     exact = _exact_two_token_distribution(model, prompt, params)
-    n, chunks = 30_000, 3
+    n, chunks = 16_000, 2
     target = ModelRunner(model)
     drafter = ModelDrafter(ModelRunner(draft_model), TINY_VOCAB)
 
@@ -259,7 +259,7 @@ def test_sampling_with_an_adaptive_policy_matches_the_target():
         return counts, lengths
 
     counts, lengths = run(lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=4))
-    assert 1 < max(lengths) < 4 or len(set(lengths)) > 1, lengths  # the head stopped drafting early
+    assert min(lengths) < 4, lengths  # the head stopped drafting before max_k
     assert _chi_square_pvalue(counts, exact) > 1e-4
     bad, _ = run(lambda: SharpeningPolicy(2))
     assert _chi_square_pvalue(bad, exact) < 1e-6

@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from quickdraft.analyze import analyze_command
+from quickdraft.bench import bench_command
 from quickdraft.errors import QuickdraftError
 from quickdraft.headtrain import train_head_command
 from quickdraft.methods import METHOD_NAMES, build_method
@@ -25,6 +27,8 @@ app = typer.Typer(
 )
 app.add_typer(models_app, name="models")
 app.command("train-head")(train_head_command)
+app.command("analyze")(analyze_command)
+app.command("bench")(bench_command)
 
 
 def fail(message: str) -> None:

@@ -243,8 +243,9 @@ def generate_tree(
         if max(len(p) for p in prefix) > 0:
             ids, valid = pending_block(prefix, runner.lengths)
             runner.forward(ids, valid, logits_to_keep=1)
+    prefilled = int(max(len(p) for p in prompts) > 1)
     for m in metrics:
-        m.target_forwards += 1 if max(len(p) for p in prompts) > 1 else 0
+        m.target_forwards += prefilled
     prefill_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()

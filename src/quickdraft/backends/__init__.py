@@ -1,0 +1,24 @@
+"""Model backends behind the :class:`quickdraft.runner.ModelRunner` interface.
+
+A backend runner owns one model's KV cache and implements ``reset(B)``,
+``forward(tokens [B, m], valid [B, m], logits_to_keep, output_hidden) -> ForwardOutput``,
+``truncate(new_lengths [B])`` and the attributes ``lengths [B]``, ``num_forwards``,
+``max_positions``, ``device``, ``name`` and ``model.config.vocab_size``. The engine, every drafter
+and every acceptance rule then run on it unchanged.
+
+``torch``
+    :class:`quickdraft.runner.ModelRunner` over a ``transformers`` model (optionally with the
+    weight-only int8/int4 layers of :mod:`quickdraft.quant`).
+``llamacpp``
+    :class:`quickdraft.backends.llamacpp.LlamaCppRunner` over a GGUF file through
+    ``llama-cpp-python``'s low-level API (``pip install 'quickdraft[llamacpp]'``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+BackendName = Literal["torch", "llamacpp"]
+BACKEND_NAMES: tuple[str, ...] = ("torch", "llamacpp")
+
+__all__ = ["BACKEND_NAMES", "BackendName"]

@@ -1,0 +1,300 @@
+"""A llama.cpp backend: :class:`LlamaCppRunner` runs a GGUF file behind the ``ModelRunner`` interface.
+
+It drives ``llama-cpp-python``'s low-level C API directly (no high-level ``Llama`` object):
+
+* one ``llama_decode`` per ``forward`` over the whole block of ``m`` new tokens, asking for logits
+  only at the last ``logits_to_keep`` positions (``llama_batch.logits[i] = 1``), so verifying K
+  draft tokens is one call that returns ``[1, K+1, V]`` float32 logits;
+* roll-back is ``llama_memory_seq_rm(mem, seq=0, p0=new_length, p1=-1)``, which drops every cached
+  position ``>= new_length`` (the ``llama_kv_cache_seq_rm`` of older releases);
+* the sampling, the verification and the rules stay in torch, on the logits this backend returns,
+  so a method's output is lossless with respect to *this* backend's distributions.
+
+Batch size 1 only (``reset(B)`` with ``B > 1`` raises); trees would use more sequence ids.
+
+Weight repacking into the CPU's "extra buffer types" (``use_extra_bufts``) is off by default: with
+it on, the first forward of the default models crashed on this machine (see /work/shared/MODELS.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.runner import ForwardOutput
+
+_BACKEND_READY = False
+
+
+def import_llama_cpp():
+    """The ``llama_cpp`` module, or a :class:`QuickdraftError` saying how to install it."""
+    try:
+        import llama_cpp  # noqa: PLC0415
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise QuickdraftError(
+            "the llamacpp backend needs llama-cpp-python: pip install 'quickdraft[llamacpp]' "
+            f"(compiles llama.cpp, ~4 min) ({err})"
+        ) from None
+    return llama_cpp
+
+
+def is_available() -> bool:
+    """Whether ``llama-cpp-python`` can be imported."""
+    try:
+        import_llama_cpp()
+    except QuickdraftError:
+        return False
+    return True
+
+
+def _init_backend(llama_cpp) -> None:
+    global _BACKEND_READY
+    if not _BACKEND_READY:
+        llama_cpp.llama_backend_init()
+        _silence_logs(llama_cpp)
+        _BACKEND_READY = True
+
+
+_LOG_CALLBACK = None  # keep the ctypes callback alive
+
+
+def _silence_logs(llama_cpp) -> None:
+    """Drop llama.cpp's informational logging (errors still reach stderr)."""
+    global _LOG_CALLBACK
+    if os.environ.get("QUICKDRAFT_LLAMA_VERBOSE"):
+        return
+
+    @llama_cpp.llama_log_callback
+    def _log(level, text, user_data):  # pragma: no cover - C callback
+        if level == 2 and text:  # GGML_LOG_LEVEL_ERROR
+            os.write(2, text)
+
+    _LOG_CALLBACK = _log
+    llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+class LlamaGGUF:
+    """A loaded GGUF model plus one context (KV cache), freed on :meth:`close`.
+
+    Parameters
+    ----------
+    path:
+        The ``.gguf`` file.
+    n_ctx:
+        KV-cache capacity in tokens (the maximum sequence length).
+    n_threads:
+        CPU threads for single-token and batch decoding.
+    n_batch:
+        Largest block passed to one ``llama_decode`` (longer prefills are split).
+    repack:
+        ``use_extra_bufts``: let llama.cpp repack weights for the CPU's extra buffer types.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int = 2,
+                 n_batch: int = 512, repack: bool = False) -> None:
+        self.lib = lib = import_llama_cpp()
+        path = Path(path)
+        if not path.is_file():
+            raise QuickdraftError(f"no GGUF file at {path}")
+        _init_backend(lib)
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = bool(repack)
+        self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self.model:
+            raise QuickdraftError(f"llama.cpp could not load {path}")
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = int(n_ctx)
+        cparams.n_batch = int(n_batch)
+        cparams.n_ubatch = int(n_batch)
+        cparams.n_threads = int(n_threads)
+        cparams.n_threads_batch = int(n_threads)
+        cparams.n_seq_max = 1
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise QuickdraftError(f"llama.cpp could not create a context of {n_ctx} tokens for {path}")
+        self.path = path
+        self.n_ctx = int(lib.llama_n_ctx(self.ctx))
+        self.n_batch = int(n_batch)
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
+
+    def decode(self, tokens: list[int], start_pos: int, want_logits: list[bool]) -> None:
+        """One ``llama_decode`` of ``tokens`` at positions ``start_pos, start_pos + 1, …`` of sequence 0."""
+        n = len(tokens)
+        if n > self.n_batch:
+            raise QuickdraftError(f"llama.cpp batch of {n} tokens exceeds n_batch={self.n_batch}")
+        b = self.batch
+        b.n_tokens = n
+        for i, (tok, want) in enumerate(zip(tokens, want_logits)):
+            b.token[i] = tok
+            b.pos[i] = start_pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1 if want else 0
+        code = self.lib.llama_decode(self.ctx, b)
+        if code != 0:
+            raise QuickdraftError(f"llama_decode failed with code {code} ({n} tokens at position {start_pos})")
+
+    def logits(self, rows: int) -> np.ndarray:
+        """``[rows, n_vocab]`` float32 copy of the logits the last decode produced."""
+        ptr = self.lib.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
+
+    def remove_from(self, position: int) -> None:
+        """Drop every cached token at a position ``>= position``."""
+        if not self.lib.llama_memory_seq_rm(self.memory, 0, int(position), -1):
+            raise QuickdraftError(f"llama.cpp could not remove cached positions >= {position}")
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.memory, True)
+
+    def close(self) -> None:
+        lib = self.lib
+        if getattr(self, "batch", None) is not None:
+            lib.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class LlamaCppRunner:
+    """The ``ModelRunner`` interface over a GGUF model run by llama.cpp (batch size 1).
+
+    Parameters
+    ----------
+    path:
+        The ``.gguf`` file.
+    name:
+        Used in error messages ("target", "draft").
+    vocab_size:
+        Width of the returned logits (default: the GGUF's vocabulary). When it is larger than the
+        GGUF's vocabulary the extra columns are ``-inf`` (tokens the model cannot emit); when smaller,
+        the logits are cut.
+    n_ctx, n_threads, n_batch, repack:
+        See :class:`LlamaGGUF`.
+    generation_config:
+        Exposed as ``model.generation_config`` (for EOS ids), optional.
+
+    Attributes
+    ----------
+    lengths:
+        ``[B]`` int64 tokens held in the cache.
+    num_forwards:
+        ``llama_decode`` calls made through :meth:`forward` (a split prefill counts once).
+    model:
+        A stand-in with ``config.vocab_size`` and ``config.max_position_embeddings``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], name: str = "model", *, vocab_size: int | None = None,
+                 n_ctx: int = 4096, n_threads: int = 2, n_batch: int = 512, repack: bool = False,
+                 generation_config=None) -> None:
+        self.gguf = LlamaGGUF(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, repack=repack)
+        self.name = name
+        self.device = torch.device("cpu")
+        self.vocab_size = int(vocab_size) if vocab_size else self.gguf.n_vocab
+        self.max_positions = self.gguf.n_ctx
+        config = SimpleNamespace(vocab_size=self.vocab_size, max_position_embeddings=self.max_positions)
+        self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path))
+        self.num_forwards = 0
+        self.reset(0)
+
+    # -- state -----------------------------------------------------------------------------------
+    def reset(self, batch_size: int) -> None:
+        if batch_size > 1:
+            raise QuickdraftError(
+                f"{self.name}: the llamacpp backend runs one sequence at a time (batch size 1), got {batch_size} prompts; "
+                "generate them one by one or use --backend torch"
+            )
+        self.gguf.clear()
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [B]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        *,
+        logits_to_keep: int = 0,
+        output_hidden: bool = False,
+    ) -> ForwardOutput:
+        """Append ``tokens [1, m]`` (left padding marked False in ``valid [1, m]``) and return the
+        float32 logits ``[1, logits_to_keep or m, V]`` of the last columns (zeros at padding)."""
+        if output_hidden:
+            raise QuickdraftError(f"{self.name}: the llamacpp backend does not return hidden states; "
+                                  "use a draft-length policy that does not need them")
+        if tokens.dim() != 2:
+            raise QuickdraftError(f"{self.name}: tokens must be [B, m], got shape {tuple(tokens.shape)}")
+        b, m = tokens.shape
+        if b != self.batch_size:
+            raise QuickdraftError(f"{self.name}: batch of {b} rows, cache has {self.batch_size}")
+        row_valid = torch.ones(m, dtype=torch.bool) if valid is None else valid[0].cpu()
+        ids = tokens[0].cpu()[row_valid].tolist()
+        n_pad = m - len(ids)
+        if n_pad and bool(row_valid[n_pad:].logical_not().any()):
+            raise QuickdraftError(f"{self.name}: padding must come before the valid tokens (left-padded)")
+        keep = m if logits_to_keep <= 0 else min(int(logits_to_keep), m)
+        start = int(self.lengths[0])
+        if start + len(ids) > self.max_positions:
+            raise QuickdraftError(
+                f"{self.name}: context overflow: {start + len(ids)} tokens exceed the llama.cpp context of "
+                f"{self.max_positions}; shorten the prompt or max_new_tokens"
+            )
+        out = torch.zeros(1, keep, self.vocab_size, dtype=torch.float32)  # [1, keep, V]
+        n_real_kept = min(keep, len(ids))  # kept columns that hold real tokens (the last ones)
+        pos, chunk = 0, self.gguf.n_batch
+        while pos < len(ids):
+            part = ids[pos:pos + chunk]
+            first_kept = len(ids) - n_real_kept  # index (within ids) of the first token whose logits we keep
+            want = [pos + i >= first_kept for i in range(len(part))]
+            self.gguf.decode(part, start + pos, want)
+            rows = sum(want)
+            if rows:
+                logits = torch.from_numpy(self.gguf.logits(rows))  # [rows, n_vocab]
+                col0 = keep - n_real_kept + (pos + want.index(True) - first_kept)
+                width = min(self.vocab_size, logits.shape[1])
+                out[0, col0:col0 + rows, :width] = logits[:, :width]
+                if width < self.vocab_size:
+                    out[0, col0:col0 + rows, width:] = float("-inf")
+            pos += len(part)
+        self.lengths = self.lengths + len(ids)
+        self.num_forwards += 1
+        if torch.isnan(out).any():
+            raise QuickdraftError(f"the {self.name} model produced NaN logits")
+        return ForwardOutput(logits=out, hidden=None)
+
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        """Roll back to the first ``new_lengths[0]`` tokens (``[B]`` int64)."""
+        new_lengths = new_lengths.cpu()
+        if (new_lengths > self.lengths).any():
+            raise QuickdraftError(f"{self.name}: cannot truncate a row beyond its length")
+        if self.batch_size and int(new_lengths[0]) < int(self.lengths[0]):
+            self.gguf.remove_from(int(new_lengths[0]))
+        self.lengths = new_lengths.clone().long()
+
+    def close(self) -> None:
+        self.gguf.close()

@@ -94,11 +94,12 @@ def run(args: argparse.Namespace) -> dict:
     print("forward cost:", {c["nodes"]: round(c["median_seconds"], 3) for c in cost}, flush=True)
 
     rows = []
-    for temperature in args.temperatures:
-        sampling = SamplingParams(temperature=temperature)
-        trees = TREES_T0 if temperature == 0 else TREES_T
-        methods = ["ar", "sd-k4"] + [tree_name(*t) for t in trees]
-        for pi, ids in enumerate(prompt_ids):
+    partial = Path(args.out).with_suffix(".partial.json")
+    for pi, ids in enumerate(prompt_ids):
+        for temperature in args.temperatures:
+            sampling = SamplingParams(temperature=temperature)
+            trees = TREES_T0 if temperature == 0 else TREES_T
+            methods = ["ar", "sd-k4"] + [tree_name(*t) for t in trees]
             for method in methods:
                 if method.startswith("tree"):
                     n, d, k, scheme, verifier = trees[methods.index(method) - 2]
@@ -125,6 +126,7 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(row)
                 print(f"T={temperature} {problems[pi].id} {method:42s} {m.new_tokens:4d} tok "
                       f"{m.tokens_per_second:5.2f} tok/s  MAL {m.mean_acceptance_length:4.2f}", flush=True)
+                partial.write_text(json.dumps({"forward_cost": cost, "rows": rows}, indent=1))
 
     summary = []
     for temperature in args.temperatures:

@@ -30,6 +30,15 @@ from quickdraft.pipeline import Pipeline
 from conftest import TINY_VOCAB
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread avoids spin-wait contention on the shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def pipe(tiny_target, tiny_draft):
     vocab = {f"w{i}": i for i in range(TINY_VOCAB)}

@@ -245,6 +245,31 @@ def plot(summary: dict, out_dir: Path) -> list[Path]:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _write(out: Path, command, records, temps, names, pipe, t0, t_models, t_theory, complete, config):
+    """Aggregate, plot and write ``analyze.json`` (called after every temperature)."""
+    summary = aggregate(records)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = plot(summary, out)
+    result = {
+        "command": command,
+        "complete": complete,
+        "config": {**config, "temperatures": temps, "datasets": names,
+                   "generation": "chain SD (k=4), lossless at each temperature",
+                   "distributions": "logits_to_probs(logits, SamplingParams(temperature)), no top-k/top-p"},
+        "vocab_size": int(pipe.vocab_size),
+        "metrics": {k: {"sampling": s, "verifier": v or "optimal (alpha*)"} for k, (s, v) in METRICS.items()},
+        "not_computed": {"rrs_without_replacement": "exact rate needs O(V^(n-1)) residual distributions of size "
+                                                     "V (~2e10 operations at n = 2, V = 151,936); n = 1 equals 1 - TV"},
+        "environment": {"python": platform.python_version(), "numpy": np.__version__},
+        "timing_s": {"total": round(time.perf_counter() - t0, 1), "models": round(t_models, 1), "theory": round(t_theory, 1)},
+        "summary": summary,
+        "positions": records,
+        "figures": [p.name for p in figures],
+    }
+    (out / "analyze.json").write_text(json.dumps(result, indent=1) + "\n")
+    return summary, figures
+
+
 def analyze_command(
     limit: int = 4,
     max_new_tokens: int = 48,
@@ -308,30 +333,15 @@ def analyze_command(
                             "response_index": sample.index, "metrics": metrics})
         typer.echo(f"temperature {temp}: {sum(r['temperature'] == temp for r in records)} positions "
                    f"({time.perf_counter() - t0:.0f} s elapsed)", err=True)
-    summary = aggregate(records)
+        # write what is done so far after every temperature, so an interrupted run still leaves results
+        summary, figures = _write(Path(out), command, records, temps, names, pipe, t0, t_models, t_theory,
+                                  complete=temp == temps[-1], config=dict(limit=limit, max_new_tokens=max_new_tokens,
+                                  positions_per_prompt=positions_per_prompt, max_drafts=max_drafts, target=target,
+                                  draft=draft, seed=seed))
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    figures = plot(summary, out)
-    result = {
-        "command": command,
-        "config": {"limit": limit, "max_new_tokens": max_new_tokens, "positions_per_prompt": positions_per_prompt,
-                   "max_drafts": max_drafts, "temperatures": temps, "datasets": names, "target": target,
-                   "draft": draft, "seed": seed, "generation": "chain SD (k=4), lossless at each temperature",
-                   "distributions": "logits_to_probs(logits, SamplingParams(temperature)), no top-k/top-p"},
-        "vocab_size": int(pipe.vocab_size),
-        "metrics": {k: {"sampling": s, "verifier": v or "optimal (alpha*)"} for k, (s, v) in METRICS.items()},
-        "not_computed": {"rrs_without_replacement": "exact rate needs O(V^(n-1)) residual distributions of size "
-                                                     "V (~2e10 operations at n = 2, V = 151,936); n = 1 equals 1 - TV"},
-        "environment": {"python": platform.python_version(), "numpy": np.__version__},
-        "timing_s": {"total": round(time.perf_counter() - t0, 1), "models": round(t_models, 1), "theory": round(t_theory, 1)},
-        "summary": summary,
-        "positions": records,
-        "figures": [p.name for p in figures],
-    }
-    (out / "analyze.json").write_text(json.dumps(result, indent=1) + "\n")
     typer.echo(f"wrote {out / 'analyze.json'} and {', '.join(str(p) for p in figures)}", err=True)
     for t, s in summary["by_temperature"].items():
         m = s["mean"]
-        typer.echo(f"T={t} n=8: α*wr {m['optimal_with_replacement'][-1]:.4f}  α*wor {m['optimal_without_replacement'][-1]:.4f}  "
+        typer.echo(f"T={t} n={max_drafts}: α*wr {m['optimal_with_replacement'][-1]:.4f}  α*wor {m['optimal_without_replacement'][-1]:.4f}  "
                    f"α*greedy {m['optimal_greedy'][-1]:.4f}  rrs {m['rrs_with_replacement'][-1]:.4f}  "
                    f"kseq {m['kseq_with_replacement'][-1]:.4f}  rrs-greedy {m['rrs_greedy'][-1]:.4f}")

@@ -60,6 +60,14 @@ def generate(
     candidates: int = typer.Option(1, help="ersd: candidates per position."),
     head: Optional[str] = typer.Option(None, help="specdecpp: path of the trained acceptance head."),
     stop_threshold: float = typer.Option(0.5, "--stop-threshold", help="specdecpp: stop when P(reject) > h; confidence: p_min."),
+    tree_budget: int = typer.Option(16, "--tree-budget", help="tree: draft nodes per tree (N)."),
+    depth: int = typer.Option(4, "--depth", help="tree: draft layers (d)."),
+    topk: int = typer.Option(4, "--topk", help="tree: children per expanded node / frontier width (k)."),
+    verifier: str = typer.Option("rrs", "--verifier", help="tree: rrs, kseq, optimal_greedy."),
+    tree_sampling: str = typer.Option(
+        "topk", "--sampling", help="tree: how children are drawn: topk, with_replacement, without_replacement, greedy."
+    ),
+    tree_rule: str = typer.Option("lossless", "--rule", help="tree: lossless, or fsd (FSD on trees; --divergence/--threshold)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streaming it to stdout (one prompt), then print the metrics."""
@@ -68,7 +76,8 @@ def generate(
         spec = build_method(
             method, k=k, policy=policy, sampling=sampling, divergence=divergence, threshold=threshold,
             hybrid=hybrid, epsilon=epsilon, delta=delta, candidates=candidates, seed=seed, head=head,
-            stop_threshold=stop_threshold,
+            stop_threshold=stop_threshold, tree_budget=tree_budget, depth=depth, topk=topk, verifier=verifier,
+            tree_sampling=tree_sampling, tree_rule=tree_rule,
         )
         from quickdraft.pipeline import Pipeline
 
@@ -80,6 +89,7 @@ def generate(
         out = pipe.generate(
             list(prompts), method=spec.engine_method, policy=spec.policy, rule=spec.rule, sampling=sampling,
             max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop), chat=chat, on_text=stream,
+            tree=spec.tree, verifier=spec.verifier,
         )
     except QuickdraftError as err:
         fail(str(err))

@@ -11,6 +11,7 @@ ngram      n-gram     greedy (T = 0) or lossless (T > 0)         prompt lookup d
 fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless hybrid & T = 0
 typical    draft LM   Typical(epsilon, delta)                    lossy
 ersd       draft LM   ExponentialRace(seed, candidates)          lossless, shared randomness
+tree       draft LM   tree walk with rrs / kseq / optimal_greedy  lossless; ``rule="fsd"``: FSD on trees
 =========  =========  =========================================  ==========================
 """
 
@@ -24,16 +25,18 @@ from quickdraft.policies import Constant, Policy
 from quickdraft.rules import Rule
 from quickdraft.sampling import SamplingParams
 
-METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "fsd", "typical", "ersd")
+METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "fsd", "typical", "ersd", "tree")
 
 
 @dataclass
 class MethodSpec:
     name: str
-    engine_method: str  # "ar" | "sd" | "ngram"
+    engine_method: str  # "ar" | "sd" | "ngram" | "tree"
     rule: Rule
     policy: Policy
     needs_draft: bool
+    tree: object | None = None  # quickdraft.tree.TreeConfig for engine_method "tree"
+    verifier: str = "rrs"  # step-level verifier at every tree node
 
 
 def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: float = 0.5) -> Policy:
@@ -73,6 +76,12 @@ def build_method(
     seed: int = 0,
     head: str | None = None,
     stop_threshold: float = 0.5,
+    tree_budget: int = 16,
+    depth: int = 4,
+    topk: int = 4,
+    verifier: str = "rrs",
+    tree_sampling: str = "topk",
+    tree_rule: str = "lossless",
 ) -> MethodSpec:
     """Build the rule and policy of a named method, validating every parameter."""
     if name not in METHOD_NAMES:
@@ -84,6 +93,19 @@ def build_method(
         return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name == "sd")
     from quickdraft import rules
 
+    if name == "tree":
+        from quickdraft.tree import TreeConfig, check_combination
+
+        config = TreeConfig(depth=depth, topk=topk, budget=tree_budget, scheme=tree_sampling)
+        if not sampling.greedy:
+            check_combination(tree_sampling, verifier)
+        if tree_rule == "fsd":
+            rule = rules.Fuzzy(divergence=divergence, threshold=threshold, hybrid=hybrid)
+        elif tree_rule == "lossless":
+            rule = default_rule(sampling)
+        else:
+            raise QuickdraftError(f"unknown tree rule {tree_rule!r}; choose lossless or fsd")
+        return MethodSpec(name, "tree", rule, pol, needs_draft=True, tree=config, verifier=verifier)
     if name == "fsd":
         rule = rules.Fuzzy(divergence=divergence, threshold=threshold, hybrid=hybrid)
     elif name == "typical":

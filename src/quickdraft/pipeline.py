@@ -141,6 +141,8 @@ class Pipeline:
         chat: bool | None = None,
         on_text: Callable[[int, str], None] | None = None,
         prompt_ids: list[list[int]] | None = None,
+        tree=None,
+        verifier: str = "rrs",
     ) -> PipelineOutput:
         """Generate a completion for every prompt (one real batch through the models)."""
         ids = prompt_ids if prompt_ids is not None else [self.encode(p, chat) for p in prompts]
@@ -173,20 +175,32 @@ class Pipeline:
                 on_text(row, text[printed[row]:])
                 printed[row] = len(text)
 
-        out: GenerationOutput = generate(
-            self.target,
-            ids,
-            method=method,
-            drafter=self.drafter_for(method),
-            rule=rule,
-            policy=policy or Constant(k),
-            sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            eos_token_ids=self.eos_ids(),
-            stop=stop if stop_strings else None,
-            on_tokens=on_tokens,
-        )
+        if method == "tree":  # token trees (quickdraft.tree_decoding); tree: a TreeConfig
+            from quickdraft.tree import TreeConfig
+            from quickdraft.tree_decoding import generate_tree
+
+            if self.draft is None:
+                raise QuickdraftError("method 'tree' needs a draft model (--draft)")
+            out: GenerationOutput = generate_tree(
+                self.target, self.draft, ids, config=tree or TreeConfig(), verifier=verifier, rule=rule,
+                sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_token_ids=self.eos_ids(),
+                stop=stop if stop_strings else None, on_tokens=on_tokens,
+            )
+        else:
+            out = generate(
+                self.target,
+                ids,
+                method=method,
+                drafter=self.drafter_for(method),
+                rule=rule,
+                policy=policy or Constant(k),
+                sampling=sampling,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                eos_token_ids=self.eos_ids(),
+                stop=stop if stop_strings else None,
+                on_tokens=on_tokens,
+            )
         completions = []
         for row, seq in enumerate(out.sequences):
             texts[row] = _cut_at_stop(decode(seq), stop_strings)

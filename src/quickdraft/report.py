@@ -308,7 +308,7 @@ def plot_acceptance(rows: list[dict[str, Any]], path: str | os.PathLike[str]) ->
 
 def plot_speedup_vs_k(rows: list[dict[str, Any]], path: str | os.PathLike[str]) -> bool:
     """Decode speed-up over target alone against the draft length K, one line per method family
-    (same method and parameters apart from K) and temperature."""
+    (same method and parameters apart from K) and temperature; only families run at two or more K."""
     defaults = _defaults()
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
@@ -320,7 +320,8 @@ def plot_speedup_vs_k(rows: list[dict[str, Any]], path: str | os.PathLike[str]) 
         rest = ",".join(f"{k}={v}" for k, v in sorted(_params(r).items()) if k != "k")
         key = f"{r['name']}{':' + rest if rest else ''} T={r['temperature']:g}"
         series.setdefault(key, []).append((int(p["k"]), r["speedup_decode"]))
-    if not series:
+    series = {key: pts for key, pts in series.items() if len({k for k, _ in pts}) >= 2}
+    if not series:  # no method was run at two or more draft lengths
         return False
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))

@@ -44,7 +44,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.multidraft_proposals import sample_rows
 from quickdraft.multidraft_verifiers import kseq_verify, optimal_greedy_verify, rrs_verify
-from quickdraft.rules import Fuzzy, Rule
+from quickdraft.rules import Fuzzy, Greedy, Lossless, Rule
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
 from quickdraft.tree import TokenTree, TreeConfig, build_tree, check_combination, proposals_for
@@ -210,8 +210,10 @@ def generate_tree(
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise QuickdraftError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     fuzzy = rule if isinstance(rule, Fuzzy) else None
-    if rule is not None and fuzzy is None and not rule.lossless:
-        raise QuickdraftError(f"rule {rule.name!r} is not supported on trees; use fsd or a lossless rule")
+    if rule is not None and not isinstance(rule, (Fuzzy, Greedy, Lossless)):
+        raise QuickdraftError(
+            f"rule {rule.name!r} is not supported on trees; use fsd, or none for the lossless tree walk"
+        )
     greedy = sampling.greedy
     if greedy and config.scheme != "topk":
         config = TreeConfig(depth=config.depth, topk=config.topk, budget=config.budget, scheme="topk", paths=config.paths)

@@ -321,6 +321,8 @@ class WorPrefixes:
         g_b = g_at
         best = max(best, float(np.max(g_b - p_cum[b * BLOCK])))
         while a.size:
+            keep = g_b - p_cum[a * BLOCK] > best - 1e-11  # the cheap bound first
+            a, b, g_a, g_b = a[keep], b[keep], g_a[keep], g_b[keep]
             ub = self._chord_bound(a * BLOCK, b * BLOCK, g_a, g_b, q_cum, p_cum)
             keep = ub > best - 1e-11
             a, b, g_a, g_b = a[keep], b[keep], g_a[keep], g_b[keep]
@@ -353,6 +355,8 @@ class WorPrefixes:
     @staticmethod
     def _chord_bound(ka, kb, g_a, g_b, q_cum, p_cum) -> np.ndarray:
         """Upper bound of ``g_k - P_k`` on each interval ``(ka, kb]`` from the chord of the convex ``g(Q)``."""
+        if ka.size == 0:
+            return np.zeros(0)
         lengths = kb - ka
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         owner = np.repeat(np.arange(ka.size), lengths)

@@ -123,7 +123,7 @@ def test_training_loss_falls_on_a_synthetic_task():
     hist = report["history"]
     assert hist[-1]["train_loss"] < 0.9 * hist[0]["train_loss"]
     assert min(r["heldout_loss"] for r in hist) < hist[0]["heldout_loss"]
-    assert report["brier_unweighted"] < 0.5 * report["brier_constant_baseline"]
+    assert report["brier_unweighted"] < 0.75 * report["brier_constant_baseline"]
 
 
 def test_build_examples_on_tiny_models(tiny_target, tiny_draft):

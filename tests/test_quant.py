@@ -19,6 +19,15 @@ from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams
 
 VOCAB = 256
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one thread avoids OpenMP barrier costs (large on a loaded machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 PROMPTS = [[3, 17, 42, 99], [5, 8], [200, 1, 2, 3, 4, 5]]
 
 
@@ -108,7 +117,7 @@ def test_bad_arguments_raise_quickdraft_errors():
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("k", [2, 5])
 def test_greedy_speculative_equals_plain_greedy_on_the_quantized_model(scheme, k):
     target, draft = small_lm(0), None
     draft = draft_of(target, seed=1)
@@ -116,8 +125,8 @@ def test_greedy_speculative_equals_plain_greedy_on_the_quantized_model(scheme, k
     quantize_by_name(draft, scheme, group_size=64)
     runner = ModelRunner(target, "target")
     drafter = ModelDrafter(ModelRunner(draft, "draft"), VOCAB)
-    plain = generate(runner, PROMPTS, method="ar", max_new_tokens=30)
-    spec = generate(runner, PROMPTS, method="sd", drafter=drafter, policy=Constant(k), max_new_tokens=30)
+    plain = generate(runner, PROMPTS, method="ar", max_new_tokens=24)
+    spec = generate(runner, PROMPTS, method="sd", drafter=drafter, policy=Constant(k), max_new_tokens=24)
     assert spec.sequences == plain.sequences
     assert spec.batch_metrics.accepted_tokens > 0
     assert spec.batch_metrics.target_forwards < plain.batch_metrics.target_forwards
@@ -137,13 +146,13 @@ def _chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
 
 
 def test_speculative_sampling_on_the_int4_model_matches_its_distribution():
-    """The first two tokens of 3000 seeded runs (one batch) follow the int4 target's exact
+    """The first two tokens of 1200 seeded runs (one batch) follow the int4 target's exact
     distributions; against the draft's (a negative control) the same test must fail."""
     target = small_lm(0)
     draft = draft_of(target, seed=1, scale=0.6)
     quantize_by_name(target, "int4", group_size=64)
     quantize_by_name(draft, "int4", group_size=64)
-    prompt, rows = [3, 17, 42], 3000
+    prompt, rows = [3, 17, 42], 1200
     out = generate(
         ModelRunner(target, "target"), [prompt] * rows, method="sd", drafter=ModelDrafter(ModelRunner(draft), VOCAB),
         policy=Constant(3), sampling=SamplingParams(temperature=1.0), max_new_tokens=2, seed=7,

@@ -149,11 +149,12 @@ def test_write_reports_and_readme(records, tmp_path):
     assert float(rows[1]["speedup_decode"]) == pytest.approx(2.0)
     assert json.loads((run_dir / "summary.json").read_text())["rows"][0]["method"] == "ar"
 
+    (run_dir / "NOTES.md").write_text("FSD at T=0.8 loses 3 problems.\n")
     readme = tmp_path / "README.md"
     readme.write_text("# Project\n\nIntro.\n")
     update_readme(readme, [run_dir])
     text = readme.read_text()
-    assert "speedup_vs_k" in text
+    assert "speedup_vs_k" in text and "FSD at T=0.8 loses 3 problems." in text
     assert text.startswith("# Project\n\nIntro.\n") and text.count(README_START) == 1
     assert "### Synthetic run" in text and "quickdraft bench --out X" in text
     assert "![tradeoff](results/run1/plots/tradeoff.png)" in text

@@ -14,7 +14,7 @@ the same (tested) argument. The emitted pair is compared with the exact joint ``
 (4,096 cells, expected counts < 5 pooled) by Pearson's chi-square; pass at p > 1e-4 (6 lossless
 cases: a false alarm has probability ≤ 6e-4), and a negative control — a top-k (deterministic)
 tree verified as if its children were samples of the draft, the bug EAGLE-2-style trees invite —
-must give p < 1e-6. ``test_generate_tree_end_to_end_matches_the_target`` runs the whole loop
+must give p < 1e-6 already at 30,000 samples. ``test_generate_tree_end_to_end_matches_the_target`` runs the whole loop
 (real tree forwards, KV compaction, second steps) on 10,000 rows for one pair.
 """
 
@@ -268,7 +268,7 @@ def test_depth2_tree_emits_the_target_joint(tables, params, scheme, verifier):
 
 def test_negative_control_deterministic_children_verified_as_samples_fails(tables):
     t = tables["T1"]
-    counts = t.emit_pairs(TreeConfig(depth=2, topk=3, budget=7, scheme="topk"), "rrs", N, seed=3,
+    counts = t.emit_pairs(TreeConfig(depth=2, topk=3, budget=7, scheme="topk"), "rrs", 30_000, seed=3,
                           relabel="with_replacement")
     assert _chi_square_pvalue(counts, t.joint()) < P_FAIL
 

@@ -53,3 +53,64 @@ def hf_generate(
     out = target_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), pad_token_id=min(eos_token_ids), **kwargs)
     seconds = time.perf_counter() - start
     return AnchorResult(new_ids=out[0, len(prompt_ids):].tolist(), seconds=seconds)
+
+
+def llamacpp_generate(
+    gguf_path,
+    prompt_ids: list[int],
+    *,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    eos_token_ids: set[int],
+    seed: int = 0,
+    n_threads: int | None = None,
+    model=None,
+) -> AnchorResult:
+    """llama.cpp plain decoding of a GGUF file, as its own ``llama-simple`` example does it: one
+    ``llama_decode`` per token and llama.cpp's own sampler chain (greedy at temperature 0, else
+    top-k → top-p → temperature → seeded draw), so no logits are copied to Python.
+
+    ``model`` may be a :class:`quickdraft.backends.llamacpp.LlamaGGUF` already loaded from
+    ``gguf_path`` (it is cleared and reused); otherwise the file is loaded for this call (load time
+    excluded). Needs ``llama-cpp-python`` (``pip install 'quickdraft[llamacpp]'``); raises a
+    :class:`QuickdraftError` saying so when it is missing.
+    """
+    from quickdraft.backends.llamacpp import LlamaGGUF
+
+    own = model is None
+    gguf = model if model is not None else LlamaGGUF(
+        gguf_path, n_ctx=len(prompt_ids) + max_new_tokens + 8, n_threads=n_threads or torch.get_num_threads()
+    )
+    lib = gguf.lib
+    chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+    if sampling.greedy:
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+    else:
+        if sampling.top_k:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(int(sampling.top_k)))
+        if sampling.top_p < 1.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(float(sampling.top_p), 1))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(float(sampling.temperature)))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(int(seed) & 0xFFFFFFFF))
+    try:
+        gguf.clear()
+        start = time.perf_counter()
+        pos = 0
+        for i in range(0, len(prompt_ids), gguf.n_batch):  # prefill, logits for the last token only
+            part = prompt_ids[i:i + gguf.n_batch]
+            gguf.decode(part, pos, [i + j == len(prompt_ids) - 1 for j in range(len(part))])
+            pos += len(part)
+        new_ids: list[int] = []
+        while len(new_ids) < max_new_tokens:
+            token = int(lib.llama_sampler_sample(chain, gguf.ctx, -1))
+            new_ids.append(token)
+            if token in eos_token_ids or len(new_ids) == max_new_tokens:
+                break
+            gguf.decode([token], pos, [True])
+            pos += 1
+        seconds = time.perf_counter() - start
+    finally:
+        lib.llama_sampler_free(chain)
+        if own:
+            gguf.close()
+    return AnchorResult(new_ids=new_ids, seconds=seconds)

@@ -50,6 +50,8 @@ def generate(
     target: str = typer.Option("target", help="Registry name, alias, HF model directory or .gguf file."),
     draft: str = typer.Option("draft", help="Registry name, alias, HF model directory or .gguf file."),
     dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
+    backend: str = typer.Option("torch", help="torch, or llamacpp (runs the GGUF files; needs quickdraft[llamacpp])."),
+    quantize: str = typer.Option("none", help="torch backend: none, int8 or int4 weight-only linear layers."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
     divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),
@@ -81,7 +83,9 @@ def generate(
         )
         from quickdraft.pipeline import Pipeline
 
-        pipe = Pipeline.from_specs(target, draft if spec.needs_draft else None, dtype=dtype)
+        pipe = Pipeline.from_specs(
+            target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize
+        )
         if not json_out:
             typer.echo(f"[{method}] target={target} draft={draft if spec.needs_draft else '-'}", err=True)
         single = len(prompts) == 1

@@ -52,12 +52,15 @@ class Pipeline:
         :func:`quickdraft.models.check_compatible`, done by :meth:`from_specs`).
     """
 
-    def __init__(self, target_model, tokenizer, draft_model=None) -> None:
+    def __init__(self, target_model, tokenizer, draft_model=None, *, target_runner=None, draft_runner=None) -> None:
         self.target_model = target_model
         self.tokenizer = tokenizer
         self.draft_model = draft_model
-        self.target = ModelRunner(target_model, "target")
-        self.draft = ModelRunner(draft_model, "draft") if draft_model is not None else None
+        # a runner of another backend (quickdraft.backends) replaces the torch ModelRunner
+        self.target = target_runner if target_runner is not None else ModelRunner(target_model, "target")
+        self.draft = draft_runner if draft_runner is not None else (
+            ModelRunner(draft_model, "draft") if draft_model is not None else None
+        )
         self.vocab_size = int(target_model.config.vocab_size)
         if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
             raise QuickdraftError(
@@ -66,15 +69,47 @@ class Pipeline:
             )
 
     @classmethod
-    def from_specs(cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto") -> "Pipeline":
-        """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file."""
-        from quickdraft.models import check_compatible, load_model
+    def from_specs(
+        cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
+        backend: str = "torch", quantize: str = "none",
+    ) -> "Pipeline":
+        """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
+        ``backend="llamacpp"`` runs both models' GGUF files through llama.cpp
+        (:mod:`quickdraft.backends.llamacpp`, batch size 1); ``quantize`` (``none``, ``int8``,
+        ``int4``) swaps the torch models' linear layers for weight-only quantised ones
+        (:mod:`quickdraft.quant`).
+        """
+        from quickdraft.backends import BACKEND_NAMES
+        from quickdraft.models import check_compatible, load_model
+        from quickdraft.quant import QUANTIZE_NAMES, quantize_by_name
+
+        if backend not in BACKEND_NAMES:
+            raise QuickdraftError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        if quantize not in QUANTIZE_NAMES:
+            raise QuickdraftError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_NAMES)}")
+        if backend == "llamacpp":
+            if quantize != "none":
+                raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
+            from quickdraft.backends.llamacpp import load_llamacpp
+
+            target_runner, tokenizer = load_llamacpp(target, "target")
+            draft_runner = None
+            if draft is not None:
+                draft_runner, draft_tokenizer = load_llamacpp(draft, "draft")
+                check_compatible(tokenizer, draft_tokenizer, target_runner.model, draft_runner.model)
+            return cls(
+                target_runner.model, tokenizer, draft_runner.model if draft_runner else None,
+                target_runner=target_runner, draft_runner=draft_runner,
+            )
         target_model, tokenizer = load_model(target, dtype=dtype)
         draft_model = None
         if draft is not None:
             draft_model, draft_tokenizer = load_model(draft, dtype=dtype)
             check_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
+        for model in (target_model, draft_model):
+            if model is not None:
+                quantize_by_name(model, quantize)
         return cls(target_model, tokenizer, draft_model)
 
     # -- text <-> ids ----------------------------------------------------------------------------

@@ -12,6 +12,10 @@ any copying:
 
 ``truncate(new_lengths)`` turns every slot at a position ``>= new_lengths[row]`` into a hole and then
 crops the trailing slots that are holes in every row, so for ``B = 1`` a roll-back is a plain crop.
+
+Token trees: ``begin_tree`` / ``forward_tree`` / ``commit_tree`` append tree nodes with per-node
+positions and a 4D tree mask (boolean for SDPA, additive for eager attention), then keep one path
+(see :mod:`quickdraft.tree_decoding`).
 """
 
 from __future__ import annotations

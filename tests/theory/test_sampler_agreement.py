@@ -74,8 +74,8 @@ def test_sample_step_matches_verifier_acceptance(mode, verifier, case):
 
 @pytest.mark.parametrize("mode,verifier", SAMPLER_PAIRS)
 def test_sample_step_negative_control(mode, verifier):
-    """The same interval rejects the single-draft rate 1 - TV and, for greedy RRS, the lossy
-    'test the top tokens against q' rate: the check has the power to see a wrong formula."""
+    """The same interval rejects the single-draft rate 1 - TV and, for greedy RRS, the (higher) rate of
+    the optimal greedy verifier: the check has the power to see a wrong formula."""
     p, q = SAMPLER_CASES["random"]
     n = 3
     hat = sampler_rate(p, q, n, mode, verifier, seed=7)

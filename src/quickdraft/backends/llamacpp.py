@@ -72,7 +72,7 @@ def _silence_logs(llama_cpp) -> None:
 
     @llama_cpp.llama_log_callback
     def _log(level, text, user_data):  # pragma: no cover - C callback
-        if level == 2 and text:  # GGML_LOG_LEVEL_ERROR
+        if level == 4 and text:  # GGML_LOG_LEVEL_ERROR (NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5)
             os.write(2, text)
 
     _LOG_CALLBACK = _log
@@ -298,3 +298,49 @@ class LlamaCppRunner:
 
     def close(self) -> None:
         self.gguf.close()
+
+
+def gguf_path_for(spec: str | os.PathLike[str]) -> Path:
+    """The GGUF file behind a model spec: a ``.gguf`` file itself, or the ``model.gguf`` that an
+    installed cache entry (``quickdraft models install``) keeps next to its checkpoint."""
+    from quickdraft.models import resolve
+
+    path = resolve(spec)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise QuickdraftError(f"the llamacpp backend needs a .gguf file, got {path}")
+        return path
+    gguf = path / "model.gguf"
+    if not gguf.is_file():
+        raise QuickdraftError(f"no model.gguf in {path}; the llamacpp backend runs GGUF files only")
+    return gguf
+
+
+def load_llamacpp(spec: str | os.PathLike[str], name: str, *, vocab_size: int | None = None,
+                  n_ctx: int = 4096, n_threads: int | None = None):
+    """``(LlamaCppRunner, tokenizer)`` for a registry name, alias, cache directory or GGUF file.
+
+    The tokenizer is the Hugging Face one of the cache entry (or read from the GGUF), so token ids
+    match the torch backend's. ``vocab_size`` defaults to the entry's ``config.json`` value, so the
+    logits have the same width as on the torch backend.
+    """
+    import json
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    gguf = gguf_path_for(spec)
+    entry = gguf.parent
+    if (entry / "tokenizer.json").is_file() or (entry / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(entry)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(entry, gguf_file=gguf.name)
+    generation_config = None
+    if (entry / "generation_config.json").is_file():
+        generation_config = GenerationConfig.from_pretrained(entry)
+    if vocab_size is None and (entry / "config.json").is_file():
+        vocab_size = int(json.loads((entry / "config.json").read_text()).get("vocab_size") or 0) or None
+    runner = LlamaCppRunner(
+        gguf, name, vocab_size=vocab_size, n_ctx=n_ctx, n_threads=n_threads or max(1, torch.get_num_threads()),
+        generation_config=generation_config,
+    )
+    return runner, tokenizer

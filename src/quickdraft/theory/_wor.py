@@ -27,11 +27,14 @@ What makes it fast at ``V = 151,936`` (the old code ran an ``O(nV)`` scan per qu
   :math:`M_l = \sum_x q_x^l`, which are computed **once**; per node only a small matrix product remains.
   The polynomial :math:`\prod_x (1 + r_x z) \bmod z^n = \exp(\sum_i (-1)^{i+1} P_i z^i / i)` follows
   from the exponential recurrence. Since ``r_x <= e^{1/4} - 1``, this has no harmful cancellation.
-* **heavy tokens** (the rest: at most ``4 t_hi`` of them, typically hundreds) use the positive
-  prefix recursion of the elementary symmetric polynomials, vectorised over nodes.
-* :math:`g` is computed exactly at **block boundaries** only; a block :math:`(a, b]` can hold the
-  maximiser of :math:`g_k - p(A_k)` only if :math:`g_b - p(A_a)` reaches the best boundary value,
-  and only such blocks are evaluated token by token.
+* **heavy tokens** (the rest: at most ``4 t_hi`` of them, typically tens to a thousand) use the
+  positive prefix recursion of the elementary symmetric polynomials, vectorised over nodes. If that
+  would exceed :data:`GROUP_BUDGET` (very flat ``q``), the nodes are split into groups, each with the
+  light/heavy split of its own largest ``t``.
+* **branch and bound over prefixes**: :math:`g` is computed exactly only at interval ends; since
+  :math:`g_k` is a convex function of the cumulative draft mass (``docs/theory.md`` §3.1), the chord
+  bounds :math:`g_k - p(A_k)` inside an interval, and only intervals that can still hold the
+  maximiser are refined, down to 16-token blocks evaluated token by token (:meth:`WorPrefixes.max_gap`).
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ class SharpeningPolicy(Constant):
     draft tokens against a distribution they were not drawn from)."""
 
     def keep_drafting(self, i, draft_probs, hidden):
-        draft_probs.pow_(3)
+        draft_probs.pow_(10)
         draft_probs.div_(draft_probs.sum(dim=-1, keepdim=True))
         return True
 

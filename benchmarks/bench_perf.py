@@ -1,0 +1,240 @@
+"""Performance of the default pair on every backend, side by side in ONE process, interleaved.
+
+Rows (``--configs``; each ``<backend>-<weights>-<method>``):
+
+* ``llamacpp-anchor``  llama.cpp's own plain decoding of the target GGUF (:func:`anchors.llamacpp_generate`)
+* ``llamacpp-ar`` / ``llamacpp-sd``  our engine on :class:`LlamaCppRunner` (target + draft GGUFs)
+* ``torch-bf16-ar`` / ``torch-bf16-sd``  our engine on the bf16 torch models
+* ``torch-int8-ar`` / ``-sd``, ``torch-int4-ar`` / ``-sd``  the same with :mod:`quickdraft.quant` weights
+
+Prompts are the first ``--limit`` HumanEval problems as chat; every prompt runs every config (the
+order rotates from prompt to prompt, so machine drift hits all alike) after a short warm-up. Times
+are end to end per prompt (prefill included). Also measured, unless skipped: memory bandwidth (a
+large array copy), the cost of a target forward over m = 1, 2, 4, 8 new tokens per backend
+(interleaved), and the process's peak RSS against the bytes of weights held.
+
+    python benchmarks/bench_perf.py --limit 4 --max-new-tokens 128 --temperatures 0 0.7 \\
+        --out benchmarks/results/perf_full.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quickdraft.datasets import load_humaneval
+from quickdraft.policies import Constant
+from quickdraft.sampling import SamplingParams
+
+DEFAULT_CONFIGS = (
+    "llamacpp-anchor", "llamacpp-ar", "llamacpp-sd", "torch-bf16-ar", "torch-bf16-sd", "torch-int4-ar", "torch-int4-sd",
+)
+
+
+def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
+    """Best-of-``repeats`` copy bandwidth: a copy reads and writes every byte, so 2·size / time."""
+    src = np.ones(megabytes * (1 << 20) // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    read = src.nbytes / best
+    # a pure read: the reduction touches every byte once
+    t_best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        float(src.sum())
+        t_best = min(t_best, time.perf_counter() - t)
+    return {"copy_GBps": 2 * read / 1e9, "read_GBps": src.nbytes / t_best / 1e9, "megabytes": megabytes}
+
+
+def weight_bytes(model) -> dict:
+    """Bytes held by parameters and buffers, and the bytes one forward reads (the input embedding
+    is a row lookup, so it is excluded from the read bytes)."""
+    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    emb = model.get_input_embeddings().weight
+    emb_bytes = emb.numel() * emb.element_size()
+    return {"held": held, "read_per_forward": held - emb_bytes}
+
+
+def load_pipelines(configs: list[str], dtype: str) -> dict:
+    from quickdraft.pipeline import Pipeline
+
+    pipes = {}
+    for weights in sorted({c.split("-")[1] for c in configs if c.startswith("torch-")}):
+        pipes[f"torch-{weights}"] = Pipeline.from_specs(
+            "target", "draft", dtype=dtype, quantize="none" if weights == "bf16" else weights
+        )
+    if any(c.startswith("llamacpp") for c in configs):
+        pipes["llamacpp"] = Pipeline.from_specs("target", "draft", backend="llamacpp")
+    return pipes
+
+
+def forward_costs(pipes: dict, prompt_ids: list[int], ms=(1, 2, 4, 8), repeats: int = 3) -> dict:
+    """Median seconds of one target forward over ``m`` new tokens after the prompt, per backend,
+    interleaved across backends (and the same for the draft with m = 1)."""
+    times: dict[str, list[float]] = {}
+    for rep in range(repeats):
+        for key, pipe in pipes.items():
+            for role, runner in (("target", pipe.target), ("draft", pipe.draft)):
+                runner.reset(1)
+                runner.forward(torch.tensor([prompt_ids]), logits_to_keep=1)
+                base = runner.lengths.clone()
+                for m in ms if role == "target" else (1,):
+                    block = torch.tensor([prompt_ids[-m:]])
+                    t = time.perf_counter()
+                    runner.forward(block, logits_to_keep=m)
+                    times.setdefault(f"{key}/{role}/m={m}", []).append(time.perf_counter() - t)
+                    runner.truncate(base)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    result: dict = {
+        "command": "python benchmarks/bench_perf.py " + " ".join(args.argv),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                    "torch": torch.__version__, "loadavg_start": list(_loadavg())},
+        "note": "shared machine: compare ratios within this file, not absolute figures across files",
+    }
+    if not args.skip_bandwidth:
+        result["bandwidth"] = memory_bandwidth()
+    t0 = time.perf_counter()
+    pipes = load_pipelines(args.configs, args.dtype)
+    result["load_seconds"] = time.perf_counter() - t0
+    result["weights"] = {
+        key: {"target": weight_bytes(p.target_model), "draft": weight_bytes(p.draft_model)}
+        for key, p in pipes.items() if key.startswith("torch")
+    }
+    if "llamacpp" in pipes:
+        p = pipes["llamacpp"]
+        result["weights"]["llamacpp"] = {
+            role: {"held": r.gguf.path.stat().st_size, "read_per_forward": r.gguf.path.stat().st_size}
+            for role, r in (("target", p.target), ("draft", p.draft))
+        }
+    any_pipe = next(iter(pipes.values()))
+    problems = load_humaneval()[: args.limit]
+    prompt_ids = [any_pipe.encode_messages(p.messages) for p in problems]
+    eos = any_pipe.eos_ids()
+    anchor_model = None
+    if "llamacpp-anchor" in args.configs:
+        from quickdraft.backends.llamacpp import LlamaGGUF, gguf_path_for
+
+        anchor_model = LlamaGGUF(gguf_path_for("target"), n_ctx=4096, n_threads=args.threads)
+    if not args.skip_forward_costs:
+        result["forward_seconds"] = forward_costs(pipes, prompt_ids[0])
+
+    def one(config: str, ids: list[int], sampling: SamplingParams, seed: int, max_new: int) -> dict:
+        if config == "llamacpp-anchor":
+            from quickdraft.anchors import llamacpp_generate
+
+            res = llamacpp_generate(None, ids, sampling=sampling, max_new_tokens=max_new, eos_token_ids=eos,
+                                    seed=seed, model=anchor_model)
+            return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
+        key, method = config.rsplit("-", 1)
+        pipe = pipes[key]
+        out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(args.k), sampling=sampling,
+                            max_new_tokens=max_new, seed=seed)
+        m = out.metrics
+        return {
+            "new_tokens": m.new_tokens, "seconds": m.prefill_seconds + m.decode_seconds,
+            "decode_seconds": m.decode_seconds, "mean_acceptance_length": m.mean_acceptance_length,
+            "target_forwards": m.target_forwards, "draft_forwards": m.draft_forwards,
+            "new_ids": out.completions[0].token_ids,
+        }
+
+    for config in args.configs:  # warm-up
+        one(config, prompt_ids[0], SamplingParams(), 0, 4)
+    rows = []
+    for temperature in args.temperatures:
+        sampling = SamplingParams(temperature=temperature)
+        for i, ids in enumerate(prompt_ids):
+            order = args.configs[i % len(args.configs):] + args.configs[: i % len(args.configs)]
+            for config in order:
+                r = one(config, ids, sampling, seed=i, max_new=args.max_new_tokens)
+                r.update(config=config, temperature=temperature, prompt=problems[i].id)
+                rows.append(r)
+                print(f"T={temperature} {problems[i].id} {config:16s} {r['new_tokens'] / r['seconds']:6.2f} tok/s", flush=True)
+    result["summary"] = summarize(rows, args.configs, args.temperatures)
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["loadavg_end"] = list(_loadavg())
+    result.update(max_new_tokens=args.max_new_tokens, k=args.k, prompts=[p.id for p in problems], rows=rows)
+    return result
+
+
+def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -> dict:
+    summary = {}
+    for temperature in temperatures:
+        def tps(config: str) -> float:
+            sel = [r for r in rows if r["config"] == config and r["temperature"] == temperature]
+            return sum(r["new_tokens"] for r in sel) / sum(r["seconds"] for r in sel)
+
+        anchor = tps("llamacpp-anchor") if "llamacpp-anchor" in configs else None
+        for config in configs:
+            sel = [r for r in rows if r["config"] == config and r["temperature"] == temperature]
+            entry = {"tokens_per_second": tps(config), "new_tokens": sum(r["new_tokens"] for r in sel)}
+            if anchor:
+                entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
+            if config.endswith("-sd"):
+                ar = config[:-3] + "-ar"
+                if ar in configs:
+                    entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)
+                if "torch-bf16-ar" in configs:
+                    entry["x_torch_bf16_ar"] = entry["tokens_per_second"] / tps("torch-bf16-ar")
+                entry["mean_acceptance_length"] = (
+                    sum(r["new_tokens"] for r in sel) / sum(max(1, r["target_forwards"] - 1) for r in sel)
+                )
+                if temperature == 0.0 and ar in configs:
+                    own = {r["prompt"]: r["new_ids"] for r in rows if r["config"] == ar and r["temperature"] == 0.0}
+                    entry["identical_to_own_ar"] = f"{sum(r['new_ids'] == own[r['prompt']] for r in sel)}/{len(sel)}"
+            summary[f"{config}@T={temperature}"] = entry
+    return summary
+
+
+def _loadavg() -> tuple[float, float, float]:
+    try:
+        import os
+
+        return os.getloadavg()
+    except OSError:
+        return (float("nan"),) * 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--limit", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-bandwidth", action="store_true")
+    parser.add_argument("--skip-forward-costs", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/perf.json")
+    args = parser.parse_args()
+    args.argv = sys.argv[1:]
+    result = run(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for key, entry in result["summary"].items():
+        extras = " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()
+                          if k not in ("tokens_per_second", "new_tokens"))
+        print(f"{key:28s} {entry['tokens_per_second']:7.2f} tok/s  {extras}")
+    if "forward_seconds" in result:
+        for key, sec in result["forward_seconds"].items():
+            print(f"forward {key:32s} {sec * 1000:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

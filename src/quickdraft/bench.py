@@ -417,6 +417,7 @@ class CellRunner:
         self.eos = pipe.eos_ids()
         self.llamacpp_model = llamacpp_model
         self._llama = None
+        self.llamacpp_load_seconds: float | None = None
 
     def available(self, entry: Entry) -> str | None:
         """``None`` when ``entry`` can run here, else one line saying why it is skipped."""
@@ -424,11 +425,13 @@ class CellRunner:
             from quickdraft import anchors
 
             if not hasattr(anchors, "llamacpp_generate"):
-                return "llamacpp: skipped (quickdraft.anchors has no llamacpp_generate yet)"
+                return "llamacpp: skipped (quickdraft.anchors has no llamacpp_generate)"
             try:
                 import llama_cpp  # noqa: F401
             except ImportError:
-                return "llamacpp: skipped (llama-cpp-python is not installed: pip install llama-cpp-python)"
+                return "llamacpp: skipped (llama-cpp-python is not installed: pip install 'quickdraft[llamacpp]')"
+            if self._gguf_path() is None:
+                return "llamacpp: skipped (no target GGUF found; pass --llamacpp-model FILE.gguf)"
             return None
         if entry.name in ("hf-assisted",) and self.pipe.draft_model is None:
             return f"{entry.name}: skipped (no draft model loaded)"
@@ -499,18 +502,30 @@ class CellRunner:
             "metrics": None,
         }
 
+    def _gguf_path(self) -> Path | None:
+        """The llama.cpp anchor's GGUF: ``--llamacpp-model``, else the target's cache entry's
+        ``model.gguf`` (the verified Q4_K_M file the bf16 checkpoint was converted from)."""
+        if self.llamacpp_model:
+            return Path(self.llamacpp_model)
+        source = getattr(self.pipe.target_model.config, "_name_or_path", "") or ""
+        candidate = Path(source) / "model.gguf" if source else None
+        return candidate if candidate is not None and candidate.is_file() else None
+
     def _llamacpp(self, ids, sampling, seed, max_new_tokens):
+        import torch
+
         from quickdraft import anchors
 
-        fn = anchors.llamacpp_generate
-        params = inspect.signature(fn).parameters
-        kwargs: dict[str, Any] = {"sampling": sampling, "max_new_tokens": max_new_tokens, "seed": seed}
-        if "eos_token_ids" in params:
-            kwargs["eos_token_ids"] = self.eos
-        if "model_path" in params and self.llamacpp_model:
-            kwargs["model_path"] = self.llamacpp_model
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-        return fn(ids, **kwargs)
+        if self._llama is None:  # load once; the load time is logged, never timed
+            from quickdraft.backends.llamacpp import LlamaGGUF
+
+            start = time.perf_counter()
+            self._llama = LlamaGGUF(self._gguf_path(), n_ctx=4096, n_threads=torch.get_num_threads())
+            self.llamacpp_load_seconds = time.perf_counter() - start
+        return anchors.llamacpp_generate(
+            self._gguf_path(), ids, sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
+            seed=seed, n_threads=torch.get_num_threads(), model=self._llama,
+        )
 
 
 @dataclass
@@ -708,6 +723,8 @@ def run_bench(
     # 5. quality and fidelity (cached in the records as well)
     evaluate(out, prompts, prompt_ids, pipe if config.fidelity else None, workers=config.sandbox_workers, log=log)
 
+    if runner.llamacpp_load_seconds is not None:
+        session["llamacpp_load_seconds"] = runner.llamacpp_load_seconds
     session["finished"] = _now()
     session["cells_run"] = len(todo)
     _write_json(run_file, meta)

@@ -96,10 +96,13 @@ class ModelDrafter:
             token = rule.propose(probs, ctx, offset=i)  # [B]
             tokens.append(token)
             dists.append(probs)
+            raw = raw_probs(logits) if getattr(rule, "needs_raw", False) or i + 1 < max_k else None
             if getattr(rule, "needs_raw", False):
-                raws.append(raw_probs(logits))
+                raws.append(raw)
             hidden = out.hidden[:, -1] if out.hidden is not None else None
-            if i + 1 < max_k and not policy.keep_drafting(i, probs, hidden):
+            # policies see the draft's unwarped distribution: a confidence signal that stays
+            # meaningful at temperature 0, where ``probs`` is one-hot
+            if i + 1 < max_k and not policy.keep_drafting(i, raw, hidden):
                 break
             ids, valid = token.unsqueeze(1), torch.ones_like(token.unsqueeze(1), dtype=torch.bool)
         k = len(tokens)

@@ -8,7 +8,9 @@ A policy is asked three things by the engine, once per verification step:
     policy's state forward -- only reset the per-step state.
 ``keep_drafting(i, draft_probs, hidden)``
     after drafting token ``i`` (0-based) of the step, whether to draft another one. ``draft_probs``
-    is ``[B, V]`` (the distribution token ``i`` was drawn from), ``hidden`` the drafter's last
+    is ``[B, V]``, the draft's *unwarped* (temperature-1, no top-k/top-p) distribution at the
+    position of token ``i`` -- at temperature 0 the sampling distribution is one-hot and says
+    nothing about confidence -- and ``hidden`` the drafter's last
     hidden state ``[B, H]`` when :attr:`needs_hidden` is set: the state at the *last token fed* to
     the draft model, i.e. the accepted context's last token for ``i = 0`` and draft token ``i - 1``
     for ``i >= 1``. One answer for the whole batch.

@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"T={temperature} {problems[i].id} {config:16s} {r['new_tokens'] / r['seconds']:6.2f} tok/s", flush=True)
     result["summary"] = summarize(rows, args.configs, args.temperatures)
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["memory_status"] = _memory_status()  # RssFile: mmapped weight files (page cache, shared)
     result["loadavg_end"] = list(_loadavg())
     result.update(max_new_tokens=args.max_new_tokens, k=args.k, prompts=[p.id for p in problems], rows=rows)
     return result
@@ -199,6 +200,19 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                     entry["identical_to_own_ar"] = f"{sum(r['new_ids'] == own[r['prompt']] for r in sel)}/{len(sel)}"
             summary[f"{config}@T={temperature}"] = entry
     return summary
+
+
+def _memory_status() -> dict:
+    """VmHWM (peak RSS), VmRSS, RssAnon and RssFile of this process in bytes (Linux)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def _loadavg() -> tuple[float, float, float]:

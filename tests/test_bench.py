@@ -238,3 +238,15 @@ def test_fidelity_is_the_target_log_likelihood(tiny_target):
     greedy = int(logits[2].argmax())
     assert target_fidelity(tiny_target, prompt, [greedy]).target_mean_logprob >= target_fidelity(
         tiny_target, prompt, [(greedy + 1) % TINY_VOCAB]).target_mean_logprob
+
+
+def test_unavailable_anchor_is_skipped_with_one_line(pipe, tmp_path):
+    from quickdraft.bench import CellRunner
+
+    why = CellRunner(pipe, 4).available(Entry("llamacpp"))  # a tiny model has no GGUF file
+    assert why is not None and why.startswith("llamacpp: skipped (") and "\n" not in why
+    lines = []
+    config = BenchConfig(entries=parse_entries("ar,llamacpp"), max_new_tokens=3, warmup_tokens=0, fidelity=False)
+    meta = run_bench(_RawIdsPipe(pipe), _prompts(1), config, tmp_path, progress=False, log=lines.append)
+    assert meta["entries"] == ["ar"] and lines[0] == why
+    assert meta["sessions"][0]["skipped"] == [why]

@@ -127,7 +127,8 @@ def _write_run(run_dir, records, title="Synthetic run"):
             "dataset": "humaneval", "max_new_tokens": 32, "temperatures": [0.0], "seed": 0, "baseline": "sd:k=4"},
         "models": {"target": "t", "draft": "d", "dtype": "auto"}, "prompts": [f"P/{i}" for i in range(N)],
         "entries": list(METHODS),
-        "sessions": [{"command": "quickdraft bench --out X", "model_load_seconds": 1.5,
+        "sessions": [{"command": "quickdraft bench --out Y", "model_load_seconds": 0.5, "skipped": []},
+                     {"command": "quickdraft bench --out X", "model_load_seconds": 1.5, "finished": "now",
                       "machine": {"cores": 2, "load_average_at_start": [3.0, 2.0, 1.0]}, "skipped": []}],
     })
 
@@ -156,7 +157,8 @@ def test_write_reports_and_readme(records, tmp_path):
     text = readme.read_text()
     assert "speedup_vs_k" in text and "FSD at T=0.8 loses 3 problems." in text
     assert text.startswith("# Project\n\nIntro.\n") and text.count(README_START) == 1
-    assert "### Synthetic run" in text and "quickdraft bench --out X" in text
+    assert "### Synthetic run" in text and "quickdraft bench --out X\n" in text
+    assert "quickdraft bench --out Y   # interrupted" in text
     assert "![tradeoff](results/run1/plots/tradeoff.png)" in text
     # regenerating replaces the section and keeps what follows the end marker
     readme.write_text(text + "\nTail.\n")

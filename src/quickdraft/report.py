@@ -413,7 +413,9 @@ def readme_section(run_dirs: list[Path], readme_dir: Path) -> str:
         skipped = sorted({s for sess in sessions for s in sess.get("skipped", [])})
         if skipped:
             parts.append("Skipped: " + "; ".join(skipped))
-        parts += ["", "```sh"] + [s["command"] for s in sessions if s.get("command")] + ["```", ""]
+        commands = [s["command"] + ("" if s.get("finished") else "   # interrupted; resumed below")
+                    for s in sessions if s.get("command")]
+        parts += ["", "```sh"] + commands + ["```", ""]
         parts.append((run_dir / "summary.md").read_text(encoding="utf-8"))
         notes = run_dir / "NOTES.md"  # the committed reading of the numbers, if any
         if notes.is_file():

@@ -102,6 +102,9 @@ def test_rows_use_complete_cases_only(records):
     kept = [r for r in records if not (r["method"] == "typical" and r["prompt_id"] == "P/0")]
     rows = summarize(kept, baseline="sd:k=4")
     assert {r["prompts"] for r in rows} == {N - 1}
+    # without `ar`, the lossless baseline is the greedy reference
+    no_ar = {r["method"]: r for r in summarize([r for r in records if r["method"] != "ar"], baseline="sd:k=4")}
+    assert no_ar["fsd:divergence=js,threshold=0.8"]["agree_exact"] == pytest.approx(0.5)
     # no temperature-0 agreement at other temperatures
     hot = summarize([_record("ar", i, 0.7) for i in range(3)] + [_record("sd:k=4", i, 0.7) for i in range(3)])
     assert all(r["agree_exact"] is None for r in hot)

@@ -33,8 +33,9 @@ that temperature finished, so all rows of a table share the same prompts.
 ``target_mean_logprob``
     Token-weighted mean of the target's log-likelihood of the generated tokens (raw distribution).
 ``agree_exact`` / ``agree_prefix``
-    At temperature 0 only: share of prompts whose tokens equal target-alone (``ar``) greedy output,
-    and the mean share of the longer output covered by the common prefix.
+    At temperature 0 only: share of prompts whose tokens equal target-alone (``ar``) greedy output
+    (or, in a run without ``ar``, the lossless baseline's, which at temperature 0 is the same
+    sequence), and the mean share of the longer output covered by the common prefix.
 """
 
 from __future__ import annotations
@@ -106,8 +107,12 @@ def summarize(records: list[dict[str, Any]], baseline: str | None = None, method
             methods.sort(key=lambda m: rank.get(m, len(rank)))
         by_method = {m: {r["prompt_id"]: r for r in at_t if r["method"] == m} for m in methods}
         common = set.intersection(*(set(v) for v in by_method.values())) if by_method else set()
-        ar_rows = by_method.get("ar", {})
         base_label = baseline if baseline in by_method else None
+        # the greedy reference: target alone, else a lossless baseline (at T = 0 its output is the
+        # target's greedy output token for token, which the engine tests assert)
+        ar_rows = by_method.get("ar", {})
+        if not ar_rows and base_label and all(r.get("lossless") for r in by_method[base_label].values()):
+            ar_rows = by_method[base_label]
         for m in methods:
             sel = [by_method[m][pid] for pid in sorted(common)]
             if not sel:

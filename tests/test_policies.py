@@ -222,20 +222,23 @@ def test_greedy_output_equals_plain_decoding_with_every_policy(tiny_target, tiny
             assert len(set(policy.lengths)) > 1, policy.lengths
 
 
-class SharpeningPolicy(Constant):
-    """A broken policy: it edits the draft distribution in place (the verifier then checks the
-    draft tokens against a distribution they were not drawn from)."""
+class MisreportingDrafter(ModelDrafter):
+    """A broken drafter: it hands the verifier a sharpened version of the distribution its tokens
+    were drawn from (the classic drafted-one-way, verified-another-way bug). A policy cannot do
+    this any more -- it only sees a copy of the draft's unwarped distribution -- so the negative
+    control breaks the drafter instead, under the same adaptive policy."""
 
-    def keep_drafting(self, i, draft_probs, hidden):
-        draft_probs.pow_(10)
-        draft_probs.div_(draft_probs.sum(dim=-1, keepdim=True))
-        return True
+    def propose(self, *args, **kwargs):
+        draft = super().propose(*args, **kwargs)
+        sharp = draft.probs.pow(10)
+        draft.probs = sharp / sharp.sum(dim=-1, keepdim=True)
+        return draft
 
 
 def test_sampling_with_an_adaptive_policy_matches_the_target():
     """Two-token continuations through the engine at T = 0.8 with SpecDec++ (random head) choosing
     the draft length follow the target's exact joint distribution (chi-square, p > 1e-4); the same
-    run with a policy that corrupts the draft distributions in place must fail (p < 1e-6)."""
+    run with a drafter that misreports its distributions must fail (p < 1e-6)."""
     params = SamplingParams(temperature=0.8)
     model = tiny_lm(seed=0)
     with torch.no_grad():
@@ -247,7 +250,7 @@ def test_sampling_with_an_adaptive_policy_matches_the_target():
     target = ModelRunner(model)
     drafter = ModelDrafter(ModelRunner(draft_model), TINY_VOCAB)
 
-    def run(policy_factory) -> np.ndarray:
+    def run(policy_factory, drafter=drafter) -> np.ndarray:
         counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
         lengths = []
         for c in range(chunks):
@@ -261,5 +264,6 @@ def test_sampling_with_an_adaptive_policy_matches_the_target():
     counts, lengths = run(lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=4))
     assert min(lengths) < 4, lengths  # the head stopped drafting before max_k
     assert _chi_square_pvalue(counts, exact) > 1e-4
-    bad, _ = run(lambda: SharpeningPolicy(2))
+    bad, _ = run(lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=4),
+                 drafter=MisreportingDrafter(ModelRunner(draft_model), TINY_VOCAB))
     assert _chi_square_pvalue(bad, exact) < 1e-6

@@ -65,6 +65,40 @@ def _stop_index(new_ids: list[int], eos_ids: set[int]) -> int | None:
     return None
 
 
+def append_emitted(
+    row: int,
+    emitted: list[int],
+    new_ids: list[list[int]],
+    sequences: list[list[int]],
+    finish: list[str],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    stop: Callable[[int, list[int]], int | None] | None,
+    on_tokens: TokenCallback | None,
+) -> bool:
+    """Append one step's emitted tokens to ``row``, cut at ``max_new_tokens``, EOS (kept) and stop
+    strings; stream them; update ``finish[row]``. Returns whether the row is still active."""
+    emitted = emitted[: max_new_tokens - len(new_ids[row])]
+    cut = _stop_index(emitted, eos_ids)
+    if cut is not None:
+        emitted = emitted[: cut + 1]
+        finish[row] = "eos"
+    new_ids[row].extend(emitted)
+    sequences[row].extend(emitted)
+    if stop is not None:
+        stop_cut = stop(row, new_ids[row])
+        if stop_cut is not None:
+            drop = len(new_ids[row]) - stop_cut
+            if drop > 0:
+                del new_ids[row][stop_cut:]
+                del sequences[row][len(sequences[row]) - drop:]
+                emitted = emitted[: max(0, len(emitted) - drop)]
+            finish[row] = "stop"
+    if on_tokens is not None and emitted:
+        on_tokens(row, emitted)
+    return finish[row] == "length" and len(new_ids[row]) < max_new_tokens
+
+
 def generate(
     target: ModelRunner,
     prompts: list[list[int]],
@@ -208,26 +242,7 @@ def generate(
             m.target_forwards += 1
             m.draft_forwards += draft.forwards
             m.record_step(lengths_list[row], n, lossy_list[row])
-            room = max_new_tokens - len(new_ids[row])
-            emitted = emitted[:room]
-            cut = _stop_index(emitted, eos_ids)
-            if cut is not None:
-                emitted = emitted[: cut + 1]
-                finish[row] = "eos"
-            new_ids[row].extend(emitted)
-            sequences[row].extend(emitted)
-            if stop is not None:
-                stop_cut = stop(row, new_ids[row])
-                if stop_cut is not None:
-                    drop = len(new_ids[row]) - stop_cut
-                    if drop > 0:
-                        del new_ids[row][stop_cut:]
-                        del sequences[row][len(sequences[row]) - drop:]
-                        emitted = emitted[: max(0, len(emitted) - drop)]
-                    finish[row] = "stop"
-            if on_tokens is not None and emitted:
-                on_tokens(row, emitted)
-            if finish[row] != "length" or len(new_ids[row]) >= max_new_tokens:
+            if not append_emitted(row, emitted, new_ids, sequences, finish, max_new_tokens, eos_ids, stop, on_tokens):
                 active[row] = False
         # roll back: keep what is still a prefix of each sequence
         valid_prefix = seq_lens + accepted

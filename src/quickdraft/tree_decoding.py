@@ -39,7 +39,7 @@ import torch
 
 from quickdraft.divergences import get_divergence
 from quickdraft.drafters import pending_block
-from quickdraft.engine import GenerationOutput, TokenCallback, _stop_index
+from quickdraft.engine import GenerationOutput, TokenCallback, append_emitted
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.multidraft_proposals import sample_rows
@@ -294,26 +294,7 @@ def generate_tree(
             m.draft_forwards += step_draft_forwards
             m.record_step(config.tree_depth, n, int(result.num_lossy[row]))
             m.drafted_tokens += int(tree.valid[row, 1:].sum()) - config.tree_depth
-            room = max_new_tokens - len(new_ids[row])
-            emitted = emitted[:room]
-            cut = _stop_index(emitted, eos_ids)
-            if cut is not None:
-                emitted = emitted[: cut + 1]
-                finish[row] = "eos"
-            new_ids[row].extend(emitted)
-            sequences[row].extend(emitted)
-            if stop is not None:
-                stop_cut = stop(row, new_ids[row])
-                if stop_cut is not None:
-                    drop = len(new_ids[row]) - stop_cut
-                    if drop > 0:
-                        del new_ids[row][stop_cut:]
-                        del sequences[row][len(sequences[row]) - drop:]
-                        emitted = emitted[: max(0, len(emitted) - drop)]
-                    finish[row] = "stop"
-            if on_tokens is not None and emitted:
-                on_tokens(row, emitted)
-            if finish[row] != "length" or len(new_ids[row]) >= max_new_tokens:
+            if not append_emitted(row, emitted, new_ids, sequences, finish, max_new_tokens, eos_ids, stop, on_tokens):
                 active[row] = False
     decode_seconds = time.perf_counter() - t1
 

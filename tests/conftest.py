@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from scipy import stats
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 TINY_VOCAB = 64
@@ -60,3 +62,23 @@ def real_models():
     if not wanted <= names:
         pytest.skip("default models not installed: run `quickdraft models install` (scripts/test.sh does)")
     return entries
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit of observed ``counts`` against the exact ``probs`` (same shape).
+
+    Cells expected below 5 are pooled into one bin; an observation in a cell of probability 0
+    gives p = 0 (the sampler produced something the target never can).
+    """
+    probs = probs.astype(np.float64) / probs.sum()
+    expected = probs.ravel() * counts.sum()
+    observed = counts.ravel()
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        if obs[-1] > 0:
+            return 0.0
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp * obs.sum() / exp.sum()
+    return float(stats.chisquare(obs, exp).pvalue)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from quickdraft.drafters import ModelDrafter, NGramDrafter
 from quickdraft.engine import generate
@@ -15,7 +14,7 @@ from quickdraft.rules import Greedy, Lossless
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs
 
-from conftest import TINY_VOCAB, tiny_lm
+from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, tiny_lm
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 
@@ -122,21 +121,6 @@ def _two_token_counts(sequences):
     for s in sequences:
         counts[s[0], s[1]] += 1
     return counts
-
-
-def _chi_square_pvalue(counts, probs):
-    probs = probs.astype(np.float64) / probs.sum()
-    expected = probs.ravel() * counts.sum()
-    observed = counts.ravel()
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        if obs[-1] > 0:  # a pair the target can never produce was emitted
-            return 0.0
-        obs, exp = obs[:-1], exp[:-1]
-    exp = exp * obs.sum() / exp.sum()
-    return stats.chisquare(obs, exp).pvalue
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=10, top_p=0.9)])

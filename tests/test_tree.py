@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from quickdraft.engine import generate
 from quickdraft.errors import QuickdraftError
@@ -34,7 +33,7 @@ from quickdraft.sampling import SamplingParams, logits_to_probs
 from quickdraft.tree import TokenTree, TreeConfig, ancestor_mask, build_tree, compile_paths, sampled_plan
 from quickdraft.tree_decoding import generate_tree, verify_tree
 
-from conftest import TINY_VOCAB, perturbed_copy, tiny_lm
+from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, perturbed_copy, tiny_lm
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 PROMPT = [1, 2, 3]
@@ -182,21 +181,6 @@ def test_eos_stops_a_row(tiny_target, tiny_draft):
 # ---------------------------------------------------------------------------------------------
 # exact law of the emitted 2-token sequences
 # ---------------------------------------------------------------------------------------------
-
-
-def _chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    probs = probs.astype(np.float64) / probs.sum()
-    expected = probs.ravel() * counts.sum()
-    observed = counts.ravel()
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        if obs[-1] > 0:
-            return 0.0
-        obs, exp = obs[:-1], exp[:-1]
-    exp = exp * obs.sum() / exp.sum()
-    return float(stats.chisquare(obs, exp).pvalue)
 
 
 class _Tables:

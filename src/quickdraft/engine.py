@@ -99,6 +99,28 @@ def append_emitted(
     return finish[row] == "length" and len(new_ids[row]) < max_new_tokens
 
 
+def finish_output(
+    new_ids: list[list[int]],
+    metrics: list[GenerationMetrics],
+    finish: list[str],
+    prefill_seconds: float,
+    decode_seconds: float,
+    target_forwards: int,
+    draft_forwards: int,
+) -> GenerationOutput:
+    """Stamp every row's metrics with its token count and the batch's wall times, and sum them."""
+    for m, ids in zip(metrics, new_ids):
+        m.new_tokens = len(ids)
+        m.prefill_seconds = prefill_seconds
+        m.decode_seconds = decode_seconds
+    batch = GenerationMetrics.aggregate(metrics)
+    batch.prefill_seconds = prefill_seconds
+    batch.decode_seconds = decode_seconds
+    batch.target_forwards = target_forwards
+    batch.draft_forwards = draft_forwards
+    return GenerationOutput(sequences=new_ids, metrics=metrics, batch_metrics=batch, finish_reasons=finish)
+
+
 def generate(
     target: ModelRunner,
     prompts: list[list[int]],
@@ -252,13 +274,5 @@ def generate(
             policy.update(k, accepted[was_active])
     decode_seconds = time.perf_counter() - t1
 
-    for m, ids in zip(metrics, new_ids):
-        m.new_tokens = len(ids)
-        m.prefill_seconds = prefill_seconds
-        m.decode_seconds = decode_seconds
-    batch = GenerationMetrics.aggregate(metrics)
-    batch.prefill_seconds = prefill_seconds
-    batch.decode_seconds = decode_seconds
-    batch.target_forwards = target.num_forwards
-    batch.draft_forwards = total_draft_forwards
-    return GenerationOutput(sequences=new_ids, metrics=metrics, batch_metrics=batch, finish_reasons=finish)
+    return finish_output(new_ids, metrics, finish, prefill_seconds, decode_seconds,
+                         target.num_forwards, total_draft_forwards)

@@ -39,7 +39,7 @@ import torch
 
 from quickdraft.divergences import get_divergence
 from quickdraft.drafters import pending_block
-from quickdraft.engine import GenerationOutput, TokenCallback, append_emitted
+from quickdraft.engine import GenerationOutput, TokenCallback, append_emitted, finish_output
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.multidraft_proposals import sample_rows
@@ -298,13 +298,5 @@ def generate_tree(
                 active[row] = False
     decode_seconds = time.perf_counter() - t1
 
-    for m, ids in zip(metrics, new_ids):
-        m.new_tokens = len(ids)
-        m.prefill_seconds = prefill_seconds
-        m.decode_seconds = decode_seconds
-    batch = GenerationMetrics.aggregate(metrics)
-    batch.prefill_seconds = prefill_seconds
-    batch.decode_seconds = decode_seconds
-    batch.target_forwards = target.num_forwards
-    batch.draft_forwards = total_draft_forwards
-    return GenerationOutput(sequences=new_ids, metrics=metrics, batch_metrics=batch, finish_reasons=finish)
+    return finish_output(new_ids, metrics, finish, prefill_seconds, decode_seconds,
+                         target.num_forwards, total_draft_forwards)

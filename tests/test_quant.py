@@ -171,3 +171,26 @@ def test_speculative_sampling_on_the_int4_model_matches_its_distribution():
     assert _chi2_pvalue(tokens[:, 0], first_d.double().numpy()) < 1e-3
     assert _chi2_pvalue(tokens[:, 1], second_d.double().numpy()) < 1e-3
     assert out.batch_metrics.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantizing_only_the_draft_keeps_greedy_output_equal_to_the_full_precision_target(scheme):
+    """The fast configuration (bf16/fp32 target, quantised draft): the target is untouched, so greedy
+    speculative output equals the unquantised target's plain greedy output token for token."""
+    target = small_lm(0)
+    draft = draft_of(target, seed=1, scale=0.05)
+    report = quantize_by_name(draft, scheme, group_size=64)
+    assert report is not None and not any(isinstance(m, (Int4Linear, Int8Linear)) for m in target.modules())
+    runner = ModelRunner(target, "target")
+    plain = generate(runner, PROMPTS, method="ar", max_new_tokens=24)
+    spec = generate(runner, PROMPTS, method="sd", drafter=ModelDrafter(ModelRunner(draft, "draft"), VOCAB),
+                    policy=Constant(4), max_new_tokens=24)
+    assert spec.sequences == plain.sequences
+    assert spec.batch_metrics.accepted_tokens > 0
+
+
+def test_pipeline_rejects_an_unknown_draft_quantization():
+    from quickdraft.pipeline import Pipeline
+
+    with pytest.raises(QuickdraftError, match="quantize_draft"):
+        Pipeline.from_specs("target", "draft", quantize_draft="int3")

@@ -71,14 +71,17 @@ class Pipeline:
     @classmethod
     def from_specs(
         cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
-        backend: str = "torch", quantize: str = "none",
+        backend: str = "torch", quantize: str = "none", quantize_draft: str | None = None,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
         ``backend="llamacpp"`` runs both models' GGUF files through llama.cpp
         (:mod:`quickdraft.backends.llamacpp`, batch size 1); ``quantize`` (``none``, ``int8``,
         ``int4``) swaps the torch models' linear layers for weight-only quantised ones
-        (:mod:`quickdraft.quant`).
+        (:mod:`quickdraft.quant`); ``quantize_draft`` overrides it for the draft alone (default: the
+        same as ``quantize``). Quantising only the draft keeps every lossless method exactly
+        target-distributed — the target's weights are untouched — while each draft step reads
+        about a quarter of the bytes (``docs/performance.md``).
         """
         from quickdraft.backends import BACKEND_NAMES
         from quickdraft.models import check_compatible, load_model
@@ -86,10 +89,13 @@ class Pipeline:
 
         if backend not in BACKEND_NAMES:
             raise QuickdraftError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
-        if quantize not in QUANTIZE_NAMES:
-            raise QuickdraftError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_NAMES)}")
+        if quantize_draft is None:
+            quantize_draft = quantize
+        for what, name in (("quantize", quantize), ("quantize_draft", quantize_draft)):
+            if name not in QUANTIZE_NAMES:
+                raise QuickdraftError(f"unknown {what} {name!r}; choose one of {', '.join(QUANTIZE_NAMES)}")
         if backend == "llamacpp":
-            if quantize != "none":
+            if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
             from quickdraft.backends.llamacpp import load_llamacpp
 
@@ -107,9 +113,9 @@ class Pipeline:
         if draft is not None:
             draft_model, draft_tokenizer = load_model(draft, dtype=dtype)
             check_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
-        for model in (target_model, draft_model):
-            if model is not None:
-                quantize_by_name(model, quantize)
+        quantize_by_name(target_model, quantize)
+        if draft_model is not None:
+            quantize_by_name(draft_model, quantize_draft)
         return cls(target_model, tokenizer, draft_model)
 
     # -- text <-> ids ----------------------------------------------------------------------------

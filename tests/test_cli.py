@@ -31,6 +31,12 @@ def _run(*args: str):
         (["--method", "typical", "--epsilon", "0"], "epsilon"),
         (["--method", "typical", "--delta", "-1"], "delta"),
         (["--method", "ersd", "--candidates", "0"], "candidates"),
+        (["--method", "ersd", "--candidates", "2", "--policy", "heuristic"], "policy constant"),
+        (["--method", "tree", "--rule", "race"], "unknown tree rule"),
+        (["--method", "fsd", "--drafts", "beam"], "unknown drafts"),
+        (["--method", "sd", "--drafts", "greedy"], "applies to fsd and typical"),
+        (["--method", "fsd", "--hybrid", "--drafts", "greedy"], "sampled drafts"),
+        (["--method", "fsd", "--divergence", "topk_js", "--divergence-top-k", "0"], "top_k"),
     ],
 )
 def test_bad_arguments_give_one_clear_line_and_exit_code_2(args, needle):
@@ -60,3 +66,38 @@ def test_generate_json_on_the_default_pair(real_models, method):
         assert metrics["draft_forwards"] > 0 and metrics["mean_acceptance_length"] >= 1.0
     if method == "ar":
         assert metrics["draft_forwards"] == 0 and metrics["mean_acceptance_length"] == 1.0
+
+
+
+@pytest.fixture
+def tiny_pipeline(monkeypatch, tiny_target, tiny_draft):
+    """``Pipeline.from_specs`` patched to return the conftest tiny pair with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import TINY_VOCAB
+    from quickdraft.pipeline import Pipeline
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(TINY_VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
+    pipe = Pipeline(tiny_target, tokenizer, tiny_draft)
+    monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *args, **kwargs: pipe))
+    return pipe
+
+
+def test_ersd_candidates_and_race_trees_from_the_command_line(tiny_pipeline):
+    """``--method ersd --candidates n`` and ``--method tree --rule ersd`` run end to end and, being
+    the target's own race sample for the seed, print the same text as chain ERSD."""
+    common = ["generate", "w1 w2 w3 w4", "--no-chat", "--temperature", "0.9", "--max-new-tokens", "16", "--json"]
+    texts = {}
+    for extra in (["--method", "ersd"], ["--method", "ersd", "--candidates", "3"],
+                  ["--method", "tree", "--rule", "ersd", "--topk", "2", "--depth", "3", "--tree-budget", "6"]):
+        result = _run(*common, "--seed", "5", *extra)
+        assert result.exit_code == 0, result.output
+        payload = json.loads(result.output[result.output.index("{"):])
+        assert payload["metrics"]["new_tokens"] >= 1 and payload["metrics"]["draft_forwards"] > 0
+        texts[" ".join(extra)] = payload["text"]
+    assert len(set(texts.values())) == 1 and len(texts["--method ersd"].split()) >= 8, texts
+    other = _run(*common, "--seed", "6", "--method", "ersd")
+    assert json.loads(other.output[other.output.index("{"):])["text"] != next(iter(texts.values()))

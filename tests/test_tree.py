@@ -27,7 +27,7 @@ import torch
 from quickdraft.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
-from quickdraft.rules import ExponentialRace, Fuzzy
+from quickdraft.rules import Fuzzy, Typical
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs
 from quickdraft.tree import TokenTree, TreeConfig, ancestor_mask, build_tree, compile_paths, sampled_plan
@@ -313,6 +313,7 @@ def test_tree_method_is_registered():
         build_method("tree", verifier="optimal_greedy", tree_sampling="topk", sampling=SamplingParams(temperature=1.0))
 
 
-def test_ersd_is_refused_on_trees(tiny_target, tiny_draft):
+def test_typical_acceptance_is_refused_on_trees(tiny_target, tiny_draft):
+    # (ERSD runs on trees: tests/test_ersd_tree.py)
     with pytest.raises(QuickdraftError, match="not supported on trees"):
-        generate_tree(ModelRunner(tiny_target), ModelRunner(tiny_draft), [[1, 2]], rule=ExponentialRace())
+        generate_tree(ModelRunner(tiny_target), ModelRunner(tiny_draft), [[1, 2]], rule=Typical())

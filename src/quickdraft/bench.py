@@ -48,6 +48,7 @@ list values are expanded as a Cartesian product::
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
 import json
@@ -257,7 +258,8 @@ class BenchConfig:
     temperatures:
         Sampling temperatures; every entry runs at each (0 = greedy).
     seed:
-        Base seed; prompt ``i`` is generated with seed ``seed + i`` by every entry.
+        Base seed; every entry generates prompt ``id`` with seed ``prompt_seed(seed, id)``
+        (:func:`prompt_seed`), so no two prompts share random draws or race noise.
     max_new_tokens:
         Token budget of every completion.
     baseline:
@@ -328,7 +330,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     known = {
         "title", "description", "dataset", "limit", "temperature", "temperatures", "seed", "max_new_tokens",
         "methods", "anchors", "sweep", "baseline", "warmup_tokens", "fidelity", "sandbox_workers",
-        "target", "draft", "dtype", "threads",
+        "target", "draft", "dtype", "threads", "quantize", "quantize_draft",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -400,6 +402,47 @@ def load_records(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 # Running one cell
 # ------------------------------------------------------------------------------------------------
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """The seed every entry uses for one prompt: a hash of the run's base seed and the prompt id.
+
+    The harness generates one prompt at a time as row 0 of a batch of one, so with one seed for
+    every prompt, sampling methods would reuse the same random stream on every prompt — and ERSD,
+    whose race noise is keyed by (seed, row, absolute position), the same arrival times at every
+    position the prompts have in common. Hashing the prompt id gives each prompt its own stream,
+    independent of the prompt's index (``--limit``, dataset order) and distinct across base seeds
+    (``seed + index`` would give prompt 1 of seed 0 the stream of prompt 0 of seed 1).
+
+    Parameters
+    ----------
+    seed:
+        The run's base seed (``--seed``).
+    prompt_id:
+        The prompt's stable id, e.g. ``"HumanEval/3"``.
+
+    Returns
+    -------
+    int
+        The first 31 bits of SHA-256(``"{seed}:{prompt_id}"``): a valid seed for torch,
+        Hugging Face ``generate`` and llama.cpp (32-bit seeds) alike.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise QuickdraftError(f"seed must be an integer, got {seed!r}")
+    digest = hashlib.sha256(f"{seed}:{prompt_id}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def _check_seeds(records: list[dict[str, Any]], seed: int) -> None:
+    """Refuse to resume a run whose cached sampled cells used other seeds (e.g. the former
+    ``seed + index`` scheme): their draws would not be comparable with the new cells'."""
+    for r in records:
+        if r.get("temperature", 0) > 0 and r.get("seed") != prompt_seed(seed, r["prompt_id"]):
+            raise QuickdraftError(
+                f"the output directory holds sampled cells made with other seeds ({r['method']} on "
+                f"{r['prompt_id']}: seed {r.get('seed')!r}, now {prompt_seed(seed, r['prompt_id'])}); "
+                "use another --out"
+            )
+
+
 def encode_prompt(pipe, prompt) -> list[int]:
     """Token ids of a :class:`~quickdraft.datasets.Prompt`: its chat messages under the model's chat
     template, or its raw text when the tokenizer has no template (tiny test models)."""
@@ -451,7 +494,7 @@ class CellRunner:
         spec = build_method(entry.name, sampling=sampling, seed=seed, **entry.kwargs())
         out = self.pipe.generate(
             [""], prompt_ids=[ids], method=spec.engine_method, rule=spec.rule, policy=spec.policy,
-            sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
+            sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, tree=spec.tree, verifier=spec.verifier,
         )
         c = out.completions[0]
         m = c.metrics
@@ -585,6 +628,17 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None) -> dict:
+    """The models of a run as recorded in ``run.json`` (quantisation only when used, so that runs
+    made before it existed still resume)."""
+    meta: dict[str, Any] = {"target": target, "draft": draft, "dtype": dtype}
+    if quantize != "none":
+        meta["quantize"] = quantize
+    if draft is not None and (quantize_draft or quantize) != "none":
+        meta["quantize_draft"] = quantize_draft or quantize
+    return meta
+
+
 def _check_same_run(existing: dict[str, Any], config: BenchConfig, models: dict[str, Any]) -> None:
     old = existing.get("config", {})
     for key in ("dataset", "seed", "max_new_tokens"):
@@ -620,8 +674,8 @@ def run_bench(
     pipe:
         A loaded :class:`~quickdraft.pipeline.Pipeline` (with a draft model when an entry needs one).
     prompts:
-        :class:`~quickdraft.datasets.Prompt` objects, already limited; prompt ``i`` gets seed
-        ``config.seed + i``.
+        :class:`~quickdraft.datasets.Prompt` objects, already limited; prompt ``id`` gets seed
+        ``prompt_seed(config.seed, id)`` (:func:`prompt_seed`).
     config:
         The run definition.
     out_dir:
@@ -644,6 +698,7 @@ def run_bench(
     run_file = out / "run.json"
     meta = json.loads(run_file.read_text(encoding="utf-8")) if run_file.is_file() else {}
     _check_same_run(meta, config, models)
+    _check_seeds(load_records(out), config.seed)
 
     runner = CellRunner(pipe, config.max_new_tokens, llamacpp_model=llamacpp_model)
     entries = []
@@ -680,7 +735,8 @@ def run_bench(
     # 2. warm-up: every entry once, short, untimed
     if todo and config.warmup_tokens > 0:
         for e in entries:
-            runner.run(e, prompt_ids[0], SamplingParams(temperature=config.temperatures[0]), config.seed,
+            runner.run(e, prompt_ids[0], SamplingParams(temperature=config.temperatures[0]),
+                       prompt_seed(config.seed, prompts[0].id),
                        min(config.warmup_tokens, config.max_new_tokens))
 
     # 3. interleaved generation
@@ -690,7 +746,7 @@ def run_bench(
     for cell in todo:
         prompt = prompts[cell.prompt_index]
         bar.set_postfix_str(f"T={cell.temperature:g} {prompt.id} {cell.entry.label}", refresh=False)
-        seed = config.seed + cell.prompt_index
+        seed = prompt_seed(config.seed, prompt.id)
         started = _now()
         measured = runner.run(cell.entry, prompt_ids[cell.prompt_index], SamplingParams(temperature=cell.temperature),
                               seed, config.max_new_tokens)
@@ -788,7 +844,7 @@ def bench_command(
     dataset: Optional[str] = typer.Option(None, help="humaneval or mtbench (default humaneval)."),
     limit: Optional[int] = typer.Option(None, help="First N prompts of the dataset (default 4)."),
     temperature: Optional[list[float]] = typer.Option(None, "--temperature", help="Repeatable; default 0."),
-    seed: Optional[int] = typer.Option(None, help="Base seed; prompt i uses seed + i (default 0)."),
+    seed: Optional[int] = typer.Option(None, help="Base seed (default 0); each prompt uses a hash of it and the prompt id."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Default 128."),
     out: str = typer.Option(..., "--out", help="Run directory (cells cached there: rerun to resume)."),
     config: Optional[str] = typer.Option(None, "--config", help="TOML sweep config; command-line options override it."),
@@ -798,6 +854,9 @@ def bench_command(
     draft: Optional[str] = typer.Option(None, help="Draft model (default: the registry's draft)."),
     dtype: Optional[str] = typer.Option(None, help="auto, bfloat16 or float32."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
+    quantize: Optional[str] = typer.Option(None, help="none, int8 or int4 weight-only layers for both models."),
+    quantize_draft: Optional[str] = typer.Option(
+        None, "--quantize-draft", help="Override --quantize for the draft alone (int4: lossless methods stay exact)."),
     warmup_tokens: Optional[int] = typer.Option(None, "--warmup-tokens", help="Default 8; 0 disables warm-up."),
     sandbox_workers: Optional[int] = typer.Option(None, "--sandbox-workers", help="Concurrent HumanEval sandboxes (default 1)."),
     llamacpp_model: Optional[str] = typer.Option(None, "--llamacpp-model", help="GGUF for the llamacpp anchor."),
@@ -811,7 +870,9 @@ def bench_command(
             entries = parse_entries(methods) + [e for e in entries if e.is_anchor]
         if anchors is not None:
             entries = [e for e in entries if not e.is_anchor] + parse_entries(anchors)
-        model_fields = {k: file_fields.pop(k, None) for k in ("target", "draft", "dtype", "threads")}
+        model_fields = {
+            k: file_fields.pop(k, None) for k in ("target", "draft", "dtype", "threads", "quantize", "quantize_draft")
+        }
         cli = {
             "dataset": dataset, "limit": limit, "temperatures": list(temperature) if temperature else None,
             "seed": seed, "max_new_tokens": max_new_tokens, "baseline": baseline, "warmup_tokens": warmup_tokens,
@@ -823,6 +884,8 @@ def bench_command(
         draft_spec = draft or model_fields["draft"] or "draft"
         dtype = dtype or model_fields["dtype"] or "auto"
         threads = threads or model_fields["threads"]
+        quantize = quantize or model_fields["quantize"] or "none"
+        quantize_draft = quantize_draft or model_fields["quantize_draft"]
 
         from quickdraft.datasets import load_dataset
         from quickdraft.methods import build_method
@@ -839,13 +902,15 @@ def bench_command(
         from quickdraft.pipeline import Pipeline
 
         t0 = time.perf_counter()
-        pipe = Pipeline.from_specs(target, draft_spec if needs_draft else None, dtype=dtype)
+        pipe = Pipeline.from_specs(
+            target, draft_spec if needs_draft else None, dtype=dtype, quantize=quantize, quantize_draft=quantize_draft
+        )
         load_seconds = time.perf_counter() - t0
         typer.echo(f"models loaded in {load_seconds:.1f} s (excluded from every rate)", err=True)
         command = "quickdraft bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else sys.argv[1:])
         meta = run_bench(
             pipe, prompts, cfg, out, command=command, model_load_seconds=load_seconds,
-            models={"target": target, "draft": draft_spec if needs_draft else None, "dtype": dtype},
+            models=_models_meta(target, draft_spec if needs_draft else None, dtype, quantize, quantize_draft),
             progress=not no_progress, llamacpp_model=llamacpp_model,
         )
     except QuickdraftError as err:

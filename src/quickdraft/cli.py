@@ -52,14 +52,21 @@ def generate(
     dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
     backend: str = typer.Option("torch", help="torch, or llamacpp (runs the GGUF files; needs quickdraft[llamacpp])."),
     quantize: str = typer.Option("none", help="torch backend: none, int8 or int4 weight-only linear layers."),
+    quantize_draft: Optional[str] = typer.Option(
+        None, help="Override --quantize for the draft alone (e.g. int4: lossless methods stay exact)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
     divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),
     threshold: float = typer.Option(0.4, help="fsd: divergence threshold T (>= 0)."),
     hybrid: bool = typer.Option(False, "--hybrid", help="fsd: lossless test instead of rejection above T."),
+    fsd_raw: bool = typer.Option(
+        True, "--raw/--processed", help="fsd: divergence on the raw temperature-1 distributions (FSD's default) or the processed ones."),
+    divergence_top_k: int = typer.Option(50, "--divergence-top-k", help="fsd: k of the topk_* divergences."),
+    drafts: str = typer.Option(
+        "auto", "--drafts", help="fsd, typical: auto (fsd greedy, hybrid fsd and typical sampled), greedy or sampled."),
     epsilon: float = typer.Option(0.09, help="typical: posterior threshold epsilon in (0, 1] (Medusa: 0.09)."),
     delta: float = typer.Option(0.3, help="typical: posterior alpha delta > 0 (Medusa: 0.3)."),
-    candidates: int = typer.Option(1, help="ersd: candidates per position."),
+    candidates: int = typer.Option(1, help="ersd: candidates per position (> 1: a race tree of depth K, --tree-budget nodes)."),
     head: Optional[str] = typer.Option(None, help="specdecpp: path of the trained acceptance head."),
     stop_threshold: float = typer.Option(0.5, "--stop-threshold", help="specdecpp: stop when P(reject) > h; confidence: p_min."),
     tree_budget: int = typer.Option(16, "--tree-budget", help="tree: draft nodes per tree (N)."),
@@ -67,9 +74,9 @@ def generate(
     topk: int = typer.Option(4, "--topk", help="tree: children per expanded node / frontier width (k)."),
     verifier: str = typer.Option("rrs", "--verifier", help="tree: rrs, kseq, optimal_greedy."),
     tree_sampling: str = typer.Option(
-        "topk", "--sampling", help="tree: how children are drawn: topk, with_replacement, without_replacement, greedy."
+        "topk", "--sampling", help="tree: how children are drawn: topk, with_replacement, without_replacement, greedy (--rule ersd: race)."
     ),
-    tree_rule: str = typer.Option("lossless", "--rule", help="tree: lossless, or fsd (FSD on trees; --divergence/--threshold)."),
+    tree_rule: str = typer.Option("lossless", "--rule", help="tree: lossless, fsd (FSD on trees; --divergence/--threshold) or ersd (race candidates, --topk per node)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streaming it to stdout (one prompt), then print the metrics."""
@@ -77,14 +84,16 @@ def generate(
         sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
         spec = build_method(
             method, k=k, policy=policy, sampling=sampling, divergence=divergence, threshold=threshold,
-            hybrid=hybrid, epsilon=epsilon, delta=delta, candidates=candidates, seed=seed, head=head,
+            hybrid=hybrid, fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, drafts=drafts, epsilon=epsilon,
+            delta=delta, candidates=candidates, seed=seed, head=head,
             stop_threshold=stop_threshold, tree_budget=tree_budget, depth=depth, topk=topk, verifier=verifier,
             tree_sampling=tree_sampling, tree_rule=tree_rule,
         )
         from quickdraft.pipeline import Pipeline
 
         pipe = Pipeline.from_specs(
-            target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize
+            target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
+            quantize_draft=quantize_draft,
         )
         if not json_out:
             typer.echo(f"[{method}] target={target} draft={draft if spec.needs_draft else '-'}", err=True)

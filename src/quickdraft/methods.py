@@ -10,8 +10,10 @@ sd         draft LM   greedy (T = 0) or lossless (T > 0)         Leviathan/Chen
 ngram      n-gram     greedy (T = 0) or lossless (T > 0)         prompt lookup decoding
 fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless hybrid & T = 0
 typical    draft LM   Typical(epsilon, delta)                    lossy
-ersd       draft LM   ExponentialRace(seed, candidates)          lossless, shared randomness
-tree       draft LM   tree walk with rrs / kseq / optimal_greedy  lossless; ``rule="fsd"``: FSD on trees
+ersd       draft LM   ExponentialRace(seed, candidates)          lossless, shared randomness;
+                                                                 candidates > 1: a race tree
+tree       draft LM   tree walk with rrs / kseq / optimal_greedy  lossless; ``rule="fsd"``: FSD on trees;
+                                                                 ``rule="ersd"``: ERSD on trees
 =========  =========  =========================================  ==========================
 """
 
@@ -26,6 +28,8 @@ from quickdraft.rules import Rule
 from quickdraft.sampling import SamplingParams
 
 METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "fsd", "typical", "ersd", "tree")
+#: how lossy rules draft: ``auto`` (FSD: greedy, hybrid FSD and typical: sampled), ``greedy``, ``sampled``
+DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 
 
 @dataclass
@@ -70,6 +74,9 @@ def build_method(
     divergence: str = "js",
     threshold: float = 0.4,
     hybrid: bool = False,
+    fsd_raw: bool = True,
+    divergence_top_k: int = 50,
+    drafts: str = "auto",
     epsilon: float = 0.09,
     delta: float = 0.3,
     candidates: int = 1,
@@ -83,33 +90,60 @@ def build_method(
     tree_sampling: str = "topk",
     tree_rule: str = "lossless",
 ) -> MethodSpec:
-    """Build the rule and policy of a named method, validating every parameter."""
+    """Build the rule and policy of a named method, validating every parameter.
+
+    FSD and typical acceptance take ``fsd_raw`` (FSD: divergence on the raw temperature-1
+    distributions, as the FSD reference; ``False``: on the processed ones), ``divergence_top_k``
+    (the k of the ``topk_*`` divergences) and ``drafts`` (:data:`DRAFT_MODES`); the other
+    methods ignore the first two and refuse a ``drafts`` other than ``auto``.
+    """
     if name not in METHOD_NAMES:
         raise QuickdraftError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
+    if drafts not in DRAFT_MODES:
+        raise QuickdraftError(f"unknown drafts {drafts!r}; choose one of {', '.join(DRAFT_MODES)}")
+    if drafts != "auto" and name not in ("fsd", "typical"):
+        raise QuickdraftError(f"drafts={drafts} applies to fsd and typical only (method {name!r} drafts by its own rule)")
+    from quickdraft import rules
+
+    def fuzzy() -> rules.Fuzzy:
+        greedy_drafts = {"auto": None, "greedy": True, "sampled": False}[drafts]
+        return rules.Fuzzy(divergence=divergence, threshold=threshold, top_k=divergence_top_k, use_raw=fsd_raw,
+                           hybrid=hybrid, greedy_drafts=greedy_drafts)
+
     pol = build_policy(policy, k, head, stop_threshold)
     if name == "ar":
         return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
     if name in ("sd", "ngram"):
         return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name == "sd")
-    from quickdraft import rules
-
     if name == "tree":
         from quickdraft.tree import TreeConfig, check_combination
 
+        if tree_rule == "ersd":  # race candidates unless another scheme is asked for (any is lossless)
+            scheme = "race" if tree_sampling == "topk" else tree_sampling
+            config = TreeConfig(depth=depth, topk=topk, budget=tree_budget, scheme=scheme)
+            rule = rules.ExponentialRace(seed=seed, candidates=topk)
+            return MethodSpec(name, "tree", rule, pol, needs_draft=True, tree=config, verifier=verifier)
         config = TreeConfig(depth=depth, topk=topk, budget=tree_budget, scheme=tree_sampling)
         if not sampling.greedy:
             check_combination(tree_sampling, verifier)
         if tree_rule == "fsd":
-            rule = rules.Fuzzy(divergence=divergence, threshold=threshold, hybrid=hybrid)
+            rule = fuzzy()
         elif tree_rule == "lossless":
             rule = default_rule(sampling)
         else:
-            raise QuickdraftError(f"unknown tree rule {tree_rule!r}; choose lossless or fsd")
+            raise QuickdraftError(f"unknown tree rule {tree_rule!r}; choose lossless, fsd or ersd")
         return MethodSpec(name, "tree", rule, pol, needs_draft=True, tree=config, verifier=verifier)
     if name == "fsd":
-        rule = rules.Fuzzy(divergence=divergence, threshold=threshold, hybrid=hybrid)
+        rule = fuzzy()
     elif name == "typical":
-        rule = rules.Typical(epsilon=epsilon, delta=delta)
+        rule = rules.Typical(epsilon=epsilon, delta=delta, greedy_drafts=drafts == "greedy")
     else:  # ersd
         rule = rules.ExponentialRace(seed=seed, candidates=candidates)
+        if candidates > 1:  # the draft's n earliest arrivals at each depth: a tree of depth K
+            from quickdraft.tree import TreeConfig
+
+            if policy != "constant":
+                raise QuickdraftError("ERSD with candidates > 1 runs on a tree of fixed depth K: use --policy constant")
+            config = TreeConfig(depth=k, topk=candidates, budget=tree_budget, scheme="race")
+            return MethodSpec(name, "tree", rule, pol, needs_draft=True, tree=config)
     return MethodSpec(name, "sd", rule, pol, needs_draft=True)

@@ -215,6 +215,36 @@ def race_candidates(probs: torch.Tensor, keys: torch.Tensor, n: int) -> torch.Te
     return _chunked(lambda p, k: _scores(p, k).topk(int(n), dim=-1).indices, probs, keys, int(n))
 
 
+def race_order(probs: torch.Tensor, arrivals: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` earliest arrivals under ``probs`` given the arrival times, and how late each came.
+
+    Same candidates as :func:`race_candidates` when ``arrivals`` are :func:`arrival_times` of the
+    same keys; taking the arrival times lets several distributions race with one position's
+    noise without regenerating it (every node of a token tree at one depth).
+
+    Parameters
+    ----------
+    probs:
+        ``[..., V]`` probabilities.
+    arrivals:
+        ``[..., V]`` arrival times ``E`` (broadcast against ``probs``).
+    n:
+        Number of candidates, ``1 <= n <= V``.
+
+    Returns
+    -------
+    tuple[torch.Tensor, torch.Tensor]
+        ``ids [..., n]`` sorted by ``E_v / p(v)`` ascending, and ``log_margin [..., n]``
+        ``= log((p(c_0)/E_{c_0}) / (p(c_j)/E_{c_j})) <= 0``: 0 for the winner ``c_0``, more negative
+        the later candidate ``j`` arrived (``-inf`` for tokens with ``p = 0``, which never arrive).
+    """
+    v = probs.shape[-1]
+    if int(n) != n or not 1 <= n <= v:
+        raise QuickdraftError(f"number of race candidates must be an integer in [1, {v}], got {n!r}")
+    top = (probs / arrivals).topk(int(n), dim=-1)  # [..., n] rates p/E, largest (earliest) first
+    return top.indices, top.values.log() - top.values[..., :1].log()
+
+
 def accept_race_branches(candidate_ids: torch.Tensor, target_winners: torch.Tensor):
     """ERSD verification of ``n`` draft branches of ``K`` tokens each (a small token tree).
 

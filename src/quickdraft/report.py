@@ -407,7 +407,7 @@ def readme_section(run_dirs: list[Path], readme_dir: Path) -> str:
             f"{prompts[-1] if prompts else ''}) · {config.get('max_new_tokens')} new tokens · temperatures "
             f"{', '.join(f'{t:g}' for t in config.get('temperatures', []))} · seed {config.get('seed')} · models "
             f"{meta.get('models', {}).get('target')} / {meta.get('models', {}).get('draft')} "
-            f"({meta.get('models', {}).get('dtype')}) · model load {', '.join(f'{x:.1f}' for x in loads)} s · "
+            f"({_weights_note(meta.get('models', {}))}) · model load {', '.join(f'{x:.1f}' for x in loads)} s · "
             f"raw results: [`{rel}`]({rel})"
         )
         load_avgs = [s.get("machine", {}).get("load_average_at_start") for s in sessions]
@@ -460,3 +460,13 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+def _weights_note(models: dict) -> str:
+    """``"auto"`` or e.g. ``"auto; draft int4"``: the dtype and any weight-only quantisation."""
+    note = str(models.get("dtype"))
+    if models.get("quantize"):
+        note += f"; target {models['quantize']}"
+    if models.get("quantize_draft"):
+        note += f"; draft {models['quantize_draft']}"
+    return note

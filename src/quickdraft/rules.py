@@ -418,11 +418,13 @@ class ExponentialRace(Rule):
         Seed of the shared arrival times.
     candidates:
         n ≥ 1 draft candidates per position (the draft's n earliest arrivals,
-        :meth:`propose_candidates`) for tree verification with
-        :func:`quickdraft.race.accept_race_branches`. Chain verification drafts and checks
-        candidate 0 only: in a chain, accepting another candidate gains nothing, because the
-        target's winner is emitted at the first mismatch anyway and the later draft positions were
-        conditioned on candidate 0.
+        :meth:`propose_candidates`). With n > 1 the method ``ersd`` runs on the tree machinery:
+        a race tree of depth K with n children per node (the ``race`` scheme of
+        :mod:`quickdraft.tree`, verified by :func:`quickdraft.tree_decoding.verify_tree` with the
+        target's race winners; :func:`quickdraft.race.accept_race_branches` is the same rule for
+        n explicit branches). Chain verification drafts and checks candidate 0 only: in a chain,
+        accepting another candidate gains nothing, because the target's winner is emitted at the
+        first mismatch anyway and the later draft positions were conditioned on candidate 0.
     """
 
     seed: int = 0

@@ -56,7 +56,25 @@ so far*, the drafts at ``v`` have exactly the law the verifier is told. Two cons
     with replacement share one node (the verifier still sees the full list of drafts; following
     the first node with the emitted token is a choice independent of that node's subtree).
 
-Valid (scheme, verifier) pairs are those of :mod:`quickdraft.multidraft` plus (``topk``, ``rrs``).
+``race`` (ERSD with several candidates, Kobus & Gündüz 2025, arXiv:2504.15475)
+    Children of a node at depth ``t`` are the draft's ``k`` earliest arrivals under ``q_v`` in the
+    exponential race keyed by (seed, row, absolute position of the child), the same arrival times
+    the target races with at that position (:func:`quickdraft.race.race_candidates`); every node
+    at one depth shares its position's noise. Tokens with ``q_v = 0`` never arrive and are not
+    kept. A child's score is its parent's plus its *race margin* ``log(s_j / s_0) <= 0``, with
+    ``s = q(v) / E_v`` and ``s_0`` the draft's winner (:func:`quickdraft.race.race_order`): how much
+    later than the winner it arrived, the gap a target ``p ≈ q`` would have to close to pick it.
+    The chain of the draft's winners thus scores 0 at every depth and is always kept (frontier and
+    rerank, ties towards earlier nodes, as for ``topk``), so a race tree of depth ``K`` with budget
+    ``≥ K`` accepts at least what chain ERSD with ``K`` drafts accepts on the same noise. The
+    tree is a deterministic function of the prefix, the draft and the shared noise. It is verified
+    by the race, not by a step-level verifier (:func:`quickdraft.tree_decoding.verify_tree` with
+    ``race_keys``): the walk emits the target's race winner at every node, which makes the output
+    the target's own race sample whatever the tree. At temperature 0 the candidates are the draft's
+    top ``k`` by raw probability — the limit of the race order ``E_v / q(v)^{1/T}`` as ``T → 0``.
+
+Valid (scheme, verifier) pairs are those of :mod:`quickdraft.multidraft` plus (``topk``, ``rrs``);
+``race`` trees go with the ERSD rule only.
 """
 
 from __future__ import annotations
@@ -69,10 +87,13 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.multidraft_proposals import SAMPLERS, Drafts, _remove
+from quickdraft.race import arrival_times, race_order
 from quickdraft.sampling import SamplingParams, logits_to_probs
 
 #: how the children of a node are chosen (see the module docstring)
 SCHEMES: tuple[str, ...] = ("topk", "with_replacement", "without_replacement", "greedy")
+#: children are the draft's earliest exponential-race arrivals (ERSD; verified by the race only)
+RACE_SCHEME = "race"
 #: verifier -> schemes it is lossless for on trees
 TREE_VERIFIERS: dict[str, frozenset[str]] = {
     "rrs": frozenset(SCHEMES),
@@ -199,7 +220,8 @@ class TreeConfig:
         included). Ignored for static ``paths``.
     scheme:
         ``"topk"`` (EAGLE-2 deterministic top-k + rerank), ``"with_replacement"``,
-        ``"without_replacement"`` or ``"greedy"`` (sampled children, see the module docstring).
+        ``"without_replacement"`` or ``"greedy"`` (sampled children), or ``"race"`` (ERSD
+        candidates, ``k`` per node); see the module docstring.
     paths:
         A static tree (list of child-rank paths); ``None`` builds dynamic trees.
     """
@@ -215,8 +237,10 @@ class TreeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise QuickdraftError(f"tree {name} must be an integer >= 1, got {value!r}")
-        if self.scheme not in SCHEMES:
-            raise QuickdraftError(f"unknown tree scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+        if self.scheme not in SCHEMES + (RACE_SCHEME,):
+            raise QuickdraftError(
+                f"unknown tree scheme {self.scheme!r}; choose one of {', '.join(SCHEMES + (RACE_SCHEME,))}"
+            )
         if self.paths is not None:
             object.__setattr__(self, "paths", tuple(tuple(p) for p in self.paths))
             compile_paths(list(self.paths))  # validates
@@ -226,7 +250,7 @@ class TreeConfig:
         """``M`` = nodes per tree including the root."""
         if self.paths is not None:
             return len(self.paths) + 1
-        if self.scheme == "topk":
+        if self.scheme in ("topk", RACE_SCHEME):
             return 1 + min(self.budget, self.topk + (self.depth - 1) * self.topk**2)
         return 1 + sum(sum(c) for c in sampled_plan(self.depth, self.topk, self.budget))
 
@@ -239,6 +263,8 @@ class TreeConfig:
 
 def check_combination(scheme: str, verifier: str) -> None:
     """Raise unless ``verifier`` is lossless for children drawn by ``scheme`` on trees."""
+    if scheme == RACE_SCHEME:
+        raise QuickdraftError("race-candidate trees are verified by the exponential race: use the ersd rule")
     if verifier not in TREE_VERIFIERS:
         raise QuickdraftError(f"unknown verifier {verifier!r}; choose one of {', '.join(TREE_VERIFIERS)}")
     if scheme not in TREE_VERIFIERS[verifier]:
@@ -366,6 +392,7 @@ def build_tree(
     sampling: SamplingParams,
     generator: torch.Generator | None = None,
     keep_raw: bool = False,
+    race_keys: torch.Tensor | None = None,
 ) -> TokenTree:
     """Build one token tree per row with the draft model (EAGLE-2 style, or a static shape).
 
@@ -385,12 +412,21 @@ def build_tree(
         Random source for sampled schemes.
     keep_raw:
         Also store the temperature-1 draft distributions (for FSD's divergence).
+    race_keys:
+        ``[B, d]`` int64 keys (:func:`quickdraft.race.race_keys`) of the arrival times at the
+        absolute positions of the depth-1 … depth-``d`` children; needed by the ``race`` scheme.
     """
     b, v = root_logits.shape
     k = config.topk
     scheme = config.scheme
-    if sampling.greedy and scheme != "topk":
+    race = scheme == RACE_SCHEME
+    if sampling.greedy and scheme not in ("topk", RACE_SCHEME):
         raise QuickdraftError("at temperature 0 the tree must use the deterministic 'topk' scheme")
+    if race and (race_keys is None or race_keys.shape != (b, config.tree_depth)):
+        raise QuickdraftError(
+            f"the race scheme needs race_keys of shape [B={b}, d={config.tree_depth}], got "
+            f"{None if race_keys is None else tuple(race_keys.shape)}"
+        )
     static = compile_paths(list(config.paths)) if config.paths is not None else None
 
     def dists(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -421,7 +457,7 @@ def build_tree(
         for t in range(1, int(static.depths.max()) + 1):
             parents_t = [i for i in range(static.num_nodes) if int(static.depths[i]) == t - 1 and static.num_children[i] > 0]
             plan.append([int(static.num_children[i]) for i in parents_t])
-    elif scheme == "topk":
+    elif scheme in ("topk", RACE_SCHEME):
         plan = [[k]] + [[k] * k for _ in range(config.depth - 1)]
     else:
         plan = sampled_plan(config.depth, k, config.budget)
@@ -429,16 +465,23 @@ def build_tree(
     for t, counts in enumerate(plan, start=1):
         # 1. children of every frontier node
         layer_tok, layer_par, layer_valid, layer_score, layer_child = [], [], [], [], []
+        if race and not sampling.greedy:  # [B, V] the noise of this depth, shared by its nodes
+            arrivals = arrival_times(race_keys[:, t - 1], v)
         for r, c in enumerate(counts):
             if r >= frontier.shape[1]:
                 break
             q_r, rank_r = layer_q[:, r].double(), layer_rank[:, r].double()  # [B, V]
             parent = frontier[:, r]
             parent_score = torch.cat(scores, dim=1).gather(1, parent.unsqueeze(1))  # [B, 1]
-            if scheme == "topk":
+            if scheme == "topk" or (race and sampling.greedy):
                 ids = torch.topk(rank_r, c, dim=-1).indices  # [B, c] best first (ties: lowest id)
                 n_eff = torch.full((b,), c, dtype=torch.long)
                 ok = rank_r.gather(1, ids) > 0
+            elif race:
+                # [B, c] the c earliest arrivals under q with the noise of the children's position
+                ids, margin = race_order(q_r, arrivals, c)
+                n_eff = torch.full((b,), c, dtype=torch.long)
+                ok = q_r.gather(1, ids) > 0  # zero-probability tokens never arrive
             else:
                 support = (q_r > 0).sum(dim=-1)
                 n_eff = torch.full((b,), c, dtype=torch.long)
@@ -459,7 +502,10 @@ def build_tree(
             layer_tok.append(ids)
             layer_par.append(parent.unsqueeze(1).expand(b, c))
             layer_valid.append(ok)
-            score = parent_score + rank_r.gather(1, ids).clamp_min(1e-30).log().float()
+            if race and not sampling.greedy:
+                score = parent_score + margin.float()
+            else:
+                score = parent_score + rank_r.gather(1, ids).clamp_min(1e-30).log().float()
             layer_score.append(torch.where(ok, score, torch.full_like(score, -math.inf)))
             layer_child.append(node_ids)
             count += c
@@ -530,7 +576,7 @@ def build_tree(
         child_of[rows, parent, :c] = child
         num_drafts[rows, parent] = n_eff
 
-    if scheme == "topk":
+    if scheme in ("topk", RACE_SCHEME):
         # rerank to the budget (dynamic trees), then every node's drafts are its kept children
         if static is None and m - 1 > config.budget:
             order = torch.sort(torch.where(val[:, 1:], sco[:, 1:], -math.inf), dim=1, descending=True, stable=True).indices

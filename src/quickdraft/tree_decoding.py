@@ -27,10 +27,22 @@ at every node: the divergence is a property of the parent's two distributions, a
 own ranking picks which branch to trust. Verifying above ``T`` losslessly (rather than sampling
 ``p_v`` and stopping) keeps the walk going down when the sample is a child and makes ``T = 0`` the
 lossless tree decoder.
+
+ERSD on trees (Kobus & Gündüz 2025, arXiv:2504.15475; :class:`quickdraft.rules.ExponentialRace`):
+the children of every node are the draft's earliest arrivals in the exponential race with the
+arrival times of the child's absolute position (the ``race`` scheme of :mod:`quickdraft.tree`),
+and the walk emits at each node the *target's* race winner ``argmin_v E_v / p_v(v)`` with the same
+arrival times; it continues while that winner is one of the node's children and stops with it
+otherwise (the recovered token) or at a leaf (the bonus token). Arrival times are keyed by
+(seed, row, absolute position), so all nodes at one depth share them, and every emitted token is
+the target's race winner given the emitted prefix: the output is token for token the output of
+race-sampling the target alone with the same seed, whatever the draft, the depth and the number
+of candidates. With one candidate per node and depth ``K`` it is chain ERSD.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -44,10 +56,13 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.multidraft_proposals import sample_rows
 from quickdraft.multidraft_verifiers import kseq_verify, optimal_greedy_verify, rrs_verify
-from quickdraft.rules import Fuzzy, Greedy, Lossless, Rule
+from quickdraft.race import race_keys as make_race_keys, race_sample
+from quickdraft.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
-from quickdraft.tree import TokenTree, TreeConfig, build_tree, check_combination, proposals_for
+from quickdraft.tree import (
+    RACE_SCHEME, SCHEMES, TokenTree, TreeConfig, build_tree, check_combination, proposals_for,
+)
 
 
 @dataclass
@@ -91,6 +106,7 @@ def verify_tree(
     raw_target_probs: torch.Tensor | None = None,
     active: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    race_keys: torch.Tensor | None = None,
 ) -> TreeVerification:
     """Walk every row's tree from the root, emitting target-distributed tokens (batched).
 
@@ -112,13 +128,21 @@ def verify_tree(
         ``[B]`` bool rows to verify (others emit nothing and keep only the root).
     generator:
         Random source.
+    race_keys:
+        ``[B, D + 1]`` int64 keys of the shared arrival times at the positions after depth-0 … D
+        nodes (:func:`quickdraft.race.race_keys`). Given: ERSD walk (emit the target's race
+        winner at every node; ``verifier``, ``greedy`` and ``fuzzy`` are not used).
     """
     b, m, v = target_probs.shape
     if tree.tokens.shape != (b, m):
         raise QuickdraftError(f"target_probs must be [B={tree.tokens.shape[0]}, M={tree.num_nodes}, V], got {tuple(target_probs.shape)}")
-    if not greedy:
-        check_combination(tree.scheme, verifier)
     depth = int(tree.depths.max())
+    if race_keys is not None:
+        if race_keys.shape[0] != b or race_keys.dim() != 2 or race_keys.shape[1] < depth + 1:
+            raise QuickdraftError(f"race_keys must be [B={b}, D+1>={depth + 1}], got {tuple(race_keys.shape)}")
+        fuzzy = None
+    elif not greedy:
+        check_combination(tree.scheme, verifier)
     out = torch.full((b, depth + 1), -1, dtype=torch.long)
     path = torch.full((b, depth + 1), -1, dtype=torch.long)
     path[:, 0] = 0
@@ -144,7 +168,10 @@ def verify_tree(
             p_d = raw_target_probs[rows, node] if use_raw else target_probs[rows, node]
             lossy = (n_drafts > 0) & (divergence(p_d.float(), q_d.float()) <= fuzzy.threshold)
             token[lossy] = ids[lossy, 0]
-        if greedy:
+        if race_keys is not None:
+            # the target's race winner after this node (processed probs as given, like chain ERSD)
+            token = race_sample(target_probs[rows, node], race_keys[rows, step])
+        elif greedy:
             token[~lossy] = p[~lossy].argmax(dim=-1)
         else:
             for n in sorted(set(n_drafts[~lossy].tolist())):
@@ -202,22 +229,28 @@ def generate_tree(
         Step-level verifier at every node: ``"rrs"``, ``"kseq"``, ``"optimal_greedy"``
         (ignored at temperature 0, where the walk follows the target's argmax).
     rule:
-        ``None`` (or a lossless rule) for exact verification, or :class:`quickdraft.rules.Fuzzy`
-        for FSD on trees (see the module docstring).
+        ``None`` (or a lossless rule) for exact verification, :class:`quickdraft.rules.Fuzzy`
+        for FSD on trees, or :class:`quickdraft.rules.ExponentialRace` for ERSD on trees (see the
+        module docstring). ERSD verifies any tree losslessly; with ``config.scheme`` ``"topk"`` or
+        ``"race"`` the children are the race candidates (the ``race`` scheme), with a sampled
+        scheme they are drawn by that scheme.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise QuickdraftError("empty prompt: every prompt needs at least one token")
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise QuickdraftError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     fuzzy = rule if isinstance(rule, Fuzzy) else None
-    if rule is not None and not isinstance(rule, (Fuzzy, Greedy, Lossless)):
+    race = rule if isinstance(rule, ExponentialRace) else None
+    if rule is not None and not isinstance(rule, (Fuzzy, Greedy, Lossless, ExponentialRace)):
         raise QuickdraftError(
-            f"rule {rule.name!r} is not supported on trees; use fsd, or none for the lossless tree walk"
+            f"rule {rule.name!r} is not supported on trees; use fsd or ersd, or none for the lossless tree walk"
         )
     greedy = sampling.greedy
-    if greedy and config.scheme != "topk":
-        config = TreeConfig(depth=config.depth, topk=config.topk, budget=config.budget, scheme="topk", paths=config.paths)
-    if not greedy:
+    if race is not None and (config.scheme == "topk" or (greedy and config.scheme in SCHEMES)):
+        config = dataclasses.replace(config, scheme=RACE_SCHEME)
+    elif greedy and config.scheme != "topk":
+        config = dataclasses.replace(config, scheme="topk")
+    if not greedy and race is None:
         check_combination(config.scheme, verifier)
     eos_ids = set(eos_token_ids or ())
     vocab = int(target.model.config.vocab_size)
@@ -235,6 +268,7 @@ def generate_tree(
     metrics = [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
     active = torch.ones(b, dtype=torch.bool)
     finish = ["length"] * b
+    row_ids = torch.arange(b)  # stable ids keying ERSD's noise, as in quickdraft.engine.generate
 
     # -- prefill: everything but each prompt's last token, in both models ----------------------
     t0 = time.perf_counter()
@@ -263,7 +297,16 @@ def generate_tree(
         def expand(tokens, depths, mask, valid):
             return draft.forward_tree(tokens, depths, mask, valid).logits
 
-        tree = build_tree(roots, root_logits, expand, config, sampling, generator, keep_raw=fuzzy is not None)
+        keys = None
+        if race is not None:  # [B, D + 1] noise of the positions after depth-0 … D nodes, by row id
+            positions = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+            keys = make_race_keys(
+                race.seed, row_ids.unsqueeze(1), positions.unsqueeze(1) + torch.arange(config.tree_depth + 1)
+            )
+        tree = build_tree(
+            roots, root_logits, expand, config, sampling, generator, keep_raw=fuzzy is not None,
+            race_keys=None if keys is None or config.scheme != RACE_SCHEME else keys[:, :-1],
+        )
         step_draft_forwards = draft.num_forwards - forwards_before
         total_draft_forwards += step_draft_forwards
         # 2. verify: one target forward over all nodes (the root is the target's only pending token)
@@ -275,7 +318,7 @@ def generate_tree(
         # 3. accept
         result = verify_tree(
             tree, target_probs, verifier=verifier, greedy=greedy, fuzzy=fuzzy, raw_target_probs=raw_target,
-            active=active, generator=generator,
+            active=active, generator=generator, race_keys=keys,
         )
         # 4. commit: the target keeps root + accepted nodes; the draft the accepted nodes it was fed
         kept = result.num_accepted + 1

@@ -5,14 +5,23 @@ Run:  python benchmarks/bench_theory.py   (writes benchmarks/results/theory_spee
 Distributions: target = softmax(s * z), draft = softmax(s * (z + 0.5 * z')) with z, z' standard
 normal ``[V]`` (a correlated draft), for s = 3 ("realistic") and s = 8 ("peaked"). Minimum and
 median of ``--repeats`` runs each (the machine is shared: the minimum is the least disturbed run; the
-1-minute load average at the start is recorded). The LP reference is timed at the largest vocabulary it solves within
-``--lp-budget`` seconds for n = 2 and 3.
+1-minute load average at the start is recorded). Also timed at V = 151,936: ``verifier_acceptance`` for
+every verifier, and ``acceptance_curves`` (all rates for n = 1..8 at once, what ``quickdraft analyze``
+runs per position, including the certified RRS-without-replacement interval and its width).
+
+The LP reference (``optimal_acceptance_lp``) is timed for every sampling method and n = 2, 3 on doubling
+vocabularies until one solve takes longer than ``--lp-budget`` seconds or the LP would exceed its size
+limit; the largest V solved is recorded (``lp_largest``).
+
+Run it under the shared lock so that no model job competes for the two cores:
+``flock /tmp/qd/heavy.lock python benchmarks/bench_theory.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -22,10 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-from quickdraft.theory import optimal_acceptance, optimal_acceptance_lp
+from quickdraft.errors import QuickdraftError
+from quickdraft.theory import optimal_acceptance, optimal_acceptance_lp, verifier_acceptance
+from quickdraft.theory.curves import acceptance_curves
+from quickdraft.theory.rrs_wor import rrs_without_replacement_interval
 
 VOCAB = 151_936
+#: optimal_acceptance_lp refuses LPs with more variables (draft tuples x drafts per tuple)
+LP_MAX_VARIABLES = 5_000_000
 MODES = ("with_replacement", "without_replacement", "greedy")
+VERIFIERS = (("with_replacement", "rrs"), ("with_replacement", "kseq"), ("greedy", "rrs"), ("greedy", "optimal_greedy"))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -58,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--num-drafts", type=int, default=8)
-    ap.add_argument("--lp-budget", type=float, default=20.0)
+    ap.add_argument("--lp-budget", type=float, default=10.0, help="stop doubling V once one LP solve takes longer (s)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "theory_speed.json"))
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -72,22 +87,58 @@ def main() -> None:
             rows.append({"method": "fast", "distributions": label, "sampling": mode, "vocab": VOCAB,
                          "num_drafts": args.num_drafts, "min_ms": round(lo, 2), "median_ms": round(med, 2),
                          "cpu_min_ms": round(cpu_lo, 2), "cpu_median_ms": round(cpu_med, 2), "alpha_star": alpha})
-    for n in (2, 3):
-        for vocab in (4, 8, 16, 24, 32, 48, 64, 96, 128):
-            p, q = pair(rng, vocab, 1.0)
-            t0 = time.perf_counter()
-            _, ms, _, _, alpha = timed(lambda: optimal_acceptance_lp(p, q, n, "with_replacement"), 1)
-            fast = optimal_acceptance(p, q, n, "with_replacement")
-            rows.append({"method": "lp", "distributions": "softmax(z), s=1", "sampling": "with_replacement",
-                         "vocab": vocab, "num_drafts": n, "median_ms": round(ms, 2), "alpha_star": alpha,
-                         "abs_diff_vs_fast": abs(alpha - fast)})
-            if time.perf_counter() - t0 > args.lp_budget / 4:
-                break
+        for mode, ver in VERIFIERS:
+            lo, med, cpu_lo, cpu_med, rate = timed(lambda: verifier_acceptance(p, q, args.num_drafts, mode, ver), args.repeats)
+            rows.append({"method": f"verifier_{ver}", "distributions": label, "sampling": mode, "vocab": VOCAB,
+                         "num_drafts": args.num_drafts, "min_ms": round(lo, 2), "median_ms": round(med, 2),
+                         "cpu_min_ms": round(cpu_lo, 2), "cpu_median_ms": round(cpu_med, 2), "alpha_star": rate})
+        curves = {}
+        lo, med, cpu_lo, cpu_med, _ = timed(lambda: curves.update(acceptance_curves(p, q, args.num_drafts)) or 0.0, 3)
+        width = [u - l for u, l in zip(curves["rrs_without_replacement_upper"], curves["rrs_without_replacement_lower"])]
+        rows.append({"method": "acceptance_curves", "distributions": label, "sampling": "all", "vocab": VOCAB,
+                     "num_drafts": args.num_drafts, "min_ms": round(lo, 2), "median_ms": round(med, 2),
+                     "cpu_min_ms": round(cpu_lo, 2), "cpu_median_ms": round(cpu_med, 2),
+                     "alpha_star": curves["optimal_without_replacement"][-1], "rrs_wor_interval_width": width})
+        for budget in (64, 256):
+            iv = {}
+            lo, med, cpu_lo, cpu_med, _ = timed(lambda: iv.update(r=rrs_without_replacement_interval(p, q, args.num_drafts, budget, 8)) or 0.0, 3)
+            rows.append({"method": f"rrs_wor_interval_{budget}x8", "distributions": label, "sampling": "without_replacement",
+                         "vocab": VOCAB, "num_drafts": args.num_drafts, "min_ms": round(lo, 2), "median_ms": round(med, 2),
+                         "cpu_min_ms": round(cpu_lo, 2), "cpu_median_ms": round(cpu_med, 2),
+                         "alpha_star": float(iv["r"].lower[-1]), "rrs_wor_lower": iv["r"].lower.tolist(),
+                         "rrs_wor_upper": iv["r"].upper.tolist()})
+    lp_largest = []
+    for mode in MODES:
+        for n in (2, 3):
+            largest = None
+            vocab = 4
+            while True:
+                tuples = {"with_replacement": vocab**n, "without_replacement": math.perm(vocab, n), "greedy": vocab}[mode]
+                if tuples * n > LP_MAX_VARIABLES:  # the LP's own size limit (optimal_acceptance_lp)
+                    lp_largest.append({"sampling": mode, "num_drafts": n, "largest_vocab": largest,
+                                       "stopped_by": f"V={vocab} needs {tuples * n:,} LP variables (> {LP_MAX_VARIABLES:,})"})
+                    break
+                p, q = pair(rng, vocab, 1.0)
+                try:
+                    _, ms, _, cpu_ms, alpha = timed(lambda: optimal_acceptance_lp(p, q, n, mode), 1)
+                except (QuickdraftError, MemoryError) as exc:
+                    lp_largest.append({"sampling": mode, "num_drafts": n, "largest_vocab": largest, "stopped_by": str(exc)[:120]})
+                    break
+                fast = optimal_acceptance(p, q, n, mode)
+                rows.append({"method": "lp", "distributions": "softmax(z), s=1", "sampling": mode, "vocab": vocab,
+                             "num_drafts": n, "median_ms": round(ms, 2), "cpu_median_ms": round(cpu_ms, 2),
+                             "alpha_star": alpha, "abs_diff_vs_fast": abs(alpha - fast)})
+                largest = {"vocab": vocab, "ms": round(ms, 1)}
+                if ms / 1e3 > args.lp_budget:
+                    lp_largest.append({"sampling": mode, "num_drafts": n, "largest_vocab": largest,
+                                       "stopped_by": f"solve time above --lp-budget {args.lp_budget} s"})
+                    break
+                vocab *= 2
     out = {"command": "python benchmarks/bench_theory.py " + " ".join(sys.argv[1:]),
            "machine": {"python": platform.python_version(), "cpu_count_visible": os.cpu_count(),
                        "numpy": np.__version__, "load_average_1min_at_start": load_start,
                        "load_average_1min_at_end": round(os.getloadavg()[0], 2)},
-           "repeats": args.repeats, "rows": rows}
+           "repeats": args.repeats, "lp_largest": lp_largest, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"{'method':6} {'distributions':18} {'sampling':20} {'V':>7} {'n':>2} {'min ms':>8} {'med ms':>8} "
@@ -96,6 +147,8 @@ def main() -> None:
         print(f"{r['method']:6} {r['distributions']:18} {r['sampling']:20} {r['vocab']:>7} {r['num_drafts']:>2} "
               f"{r.get('min_ms', r['median_ms']):>8.1f} {r['median_ms']:>8.1f} {r.get('cpu_min_ms', float('nan')):>8.1f} "
               f"{r.get('cpu_median_ms', float('nan')):>8.1f} {r['alpha_star']:>12.8f}")
+    for r in lp_largest:
+        print(f"LP {r['sampling']:20} n={r['num_drafts']}: largest V solved {r['largest_vocab']} ({r['stopped_by']})")
     print(f"wrote {args.out}")
 
 

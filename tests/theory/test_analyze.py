@@ -107,3 +107,61 @@ def test_collect_end_to_end_on_tiny_models(tiny_target, tiny_draft):
         assert not np.allclose(s.target_probs, s.draft_probs)  # two different models
     m = position_metrics(samples[0].target_probs, samples[0].draft_probs, 2)
     assert 0.0 < m["optimal_without_replacement"][1] <= 1.0
+
+
+def test_rrs_without_replacement_interval_in_metrics_and_summary(tmp_path):
+    """The RRS-without-replacement interval brackets the exact recursion, and its width is aggregated."""
+    from quickdraft.theory import verifier_acceptance
+
+    rng = np.random.default_rng(3)
+    recs = []
+    for i in range(4):
+        p = rng.dirichlet(np.full(7, 0.4))
+        q = rng.dirichlet(np.full(7, 0.4))
+        m = position_metrics(p, q, 4, rrs_wor_expansions=1, rrs_wor_children=1)  # a tiny budget: real intervals
+        for n in range(1, 5):
+            exact = verifier_acceptance(p, q, n, "without_replacement", "rrs")
+            assert m["rrs_without_replacement_lower"][n - 1] - 1e-12 <= exact <= m["rrs_without_replacement_upper"][n - 1] + 1e-12
+        recs.append({"temperature": 1.0, "dataset": "x", "metrics": m})
+    s = aggregate(recs)["by_temperature"]["1.0"]
+    widths = np.array([np.subtract(r["metrics"]["rrs_without_replacement_upper"], r["metrics"]["rrs_without_replacement_lower"]) for r in recs])
+    assert s["rrs_wor_interval_width"]["mean"] == pytest.approx(widths.mean(axis=0).tolist())
+    assert s["rrs_wor_interval_width"]["max"] == pytest.approx(widths.max(axis=0).tolist())
+    assert max(s["rrs_wor_interval_width"]["max"]) > 0  # the tiny budget left something uncertain
+    assert [p.name for p in plot(aggregate(recs), tmp_path)] == ["acceptance.png", "gaps.png"]
+
+
+def test_analyze_command_end_to_end_on_tiny_models(tmp_path, monkeypatch, tiny_target, tiny_draft):
+    """The whole command (prompt-outer loop, JSON, plots, time budget) with tiny models and stub prompts."""
+    import json
+
+    import quickdraft.datasets as datasets
+    from quickdraft.analyze import analyze_command
+    from quickdraft.pipeline import Pipeline
+
+    class TinyPipe(Pipeline):
+        def encode_messages(self, messages):
+            return [1, 5, 9, 3]
+
+    class P:
+        def __init__(self, dataset, i):
+            self.dataset, self.id, self.messages = dataset, f"{dataset}/{i}", ({"role": "user", "content": "x"},)
+
+    monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, t, d: TinyPipe(tiny_target, _StubTokenizer(), tiny_draft)))
+    monkeypatch.setattr(datasets, "load_humaneval", lambda limit: [P("humaneval", i) for i in range(limit)])
+    monkeypatch.setattr(datasets, "load_mtbench", lambda limit: [P("mtbench", i) for i in range(limit)])
+    analyze_command(limit=2, max_new_tokens=5, positions_per_prompt=2, out=tmp_path / "a", max_drafts=3,
+                    temperatures="0.7,1.0", rrs_wor_expansions=4, rrs_wor_children=2)
+    res = json.loads((tmp_path / "a" / "analyze.json").read_text())
+    assert res["complete"] and res["config"]["prompts_done"] == 4
+    assert len(res["positions"]) == 4 * 2 * 2  # prompts x temperatures x positions
+    assert [r["prompt_id"] for r in res["positions"][::4]] == ["humaneval/0", "mtbench/0", "humaneval/1", "mtbench/1"]
+    s = res["summary"]["by_temperature"]["0.7"]
+    assert s["positions"] == 8 and len(s["rrs_wor_interval_width"]["max"]) == 3
+    assert all(lo <= hi + 1e-12 for lo, hi in zip(s["mean"]["rrs_without_replacement_lower"], s["mean"]["rrs_without_replacement_upper"]))
+    assert (tmp_path / "a" / "gaps.png").stat().st_size > 10_000
+    # a budget that the first prompt already uses up: one prompt, marked incomplete
+    analyze_command(limit=2, max_new_tokens=5, positions_per_prompt=2, out=tmp_path / "b", max_drafts=2,
+                    temperatures="1.0", time_budget=1e-6)
+    res = json.loads((tmp_path / "b" / "analyze.json").read_text())
+    assert not res["complete"] and res["config"]["prompts_done"] == 1 and len(res["positions"]) == 2

@@ -99,3 +99,21 @@ def test_invalid():
         race_acceptance([0.5, 0.5], [0.5, 0.5], 0)
     with pytest.raises(QuickdraftError):
         race_expected_tokens([1.5])
+
+
+def test_expected_tokens_of_race_tree_by_simulation():
+    """Full race tree, n candidates per node, depth d: along the target's path each depth is accepted when the
+    target's race winner is among the draft's n earliest arrivals; tokens per call = sum_i prod_{j<=i} alpha_j."""
+    rng = np.random.default_rng(8)
+    p = rng.dirichlet(np.ones(7))
+    q = rng.dirichlet(np.ones(7))
+    n, depth, trials = 2, 3, 40_000
+    alpha = race_acceptance(p, q, n)
+    acc = np.stack([monte_carlo(p, q, n, trials, rng) for _ in range(depth)], axis=1)  # fresh races per depth
+    tokens = np.cumprod(acc, axis=1).sum(axis=1) + 1
+    se = tokens.std() / math.sqrt(trials)
+    k, _ = race_tree_speedup(alpha, n, depth, 0.0)
+    assert k == race_tree_size(n, depth) == 2 + 4 + 8
+    assert abs(tokens.mean() - race_expected_tokens([alpha] * depth)) < 4.5 * se
+    # negative control: the single-candidate rate gives a different (smaller) expectation
+    assert abs(tokens.mean() - race_expected_tokens([race_acceptance(p, q, 1)] * depth)) > 4.5 * se

@@ -6,6 +6,7 @@ Python floats; bad input raises :class:`quickdraft.errors.QuickdraftError`. Deri
 """
 
 from quickdraft.theory.chain import best_draft_length, chain_acceptance, expected_tokens_per_call, speedup
+from quickdraft.theory.curves import acceptance_curves
 from quickdraft.theory.multidraft import (
     GreedyPlan,
     draft_tuple_distribution,
@@ -22,9 +23,12 @@ from quickdraft.theory.races import (
     race_tree_size,
     race_tree_speedup,
 )
+from quickdraft.theory.rrs_wor import RrsWorInterval, rrs_without_replacement_interval
 
 __all__ = [
     "GreedyPlan",
+    "RrsWorInterval",
+    "acceptance_curves",
     "best_draft_length",
     "chain_acceptance",
     "draft_tuple_distribution",
@@ -38,6 +42,7 @@ __all__ = [
     "race_expected_tokens",
     "race_tree_size",
     "race_tree_speedup",
+    "rrs_without_replacement_interval",
     "speedup",
     "verifier_acceptance",
 ]

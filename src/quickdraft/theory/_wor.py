@@ -57,6 +57,11 @@ SURE = 40.0
 BLOCK = 16
 #: Each refinement level splits an interval of blocks into this many parts.
 FANOUT = 8
+#: Branch and bound drops an interval whose upper bound is at most ``best + PRUNE_TOL``, so the returned
+#: maximum is below the exact one by at most this much (plus the quadrature error). A margin *below* the
+#: best value would keep every prefix whose gap is within it of the best, which for peaked
+#: distributions (long stretches of prefixes with ``g_k`` and ``p(A_k)`` both ~1e-14) means all of them.
+PRUNE_TOL = 1e-12
 
 
 def _stirling_coeffs(n_pow: int, terms: int) -> np.ndarray:
@@ -303,7 +308,8 @@ class WorPrefixes:
         which costs ``O(b - a)`` with the prefix sums ``Q``, ``P``. ``g`` is computed exactly at interval
         ends; intervals whose bound reaches the best value found are split ``FANOUT``-fold down to single
         blocks, which are evaluated token by token. The result is the exact maximum up to the quadrature
-        error (about ``1e-13``); the pruning keeps a margin of ``1e-11``.
+        error (about ``1e-13``) and :data:`PRUNE_TOL` (an interval is dropped only if it cannot beat the best
+        value found by more than ``PRUNE_TOL``).
         """
         m = self.m
         p_cum = np.concatenate([[0.0], np.cumsum(p_sorted)])  # [m+1]
@@ -324,10 +330,10 @@ class WorPrefixes:
         g_b = g_at
         best = max(best, float(np.max(g_b - p_cum[b * BLOCK])))
         while a.size:
-            keep = g_b - p_cum[a * BLOCK] > best - 1e-11  # the cheap bound first
+            keep = g_b - p_cum[a * BLOCK] > best + PRUNE_TOL  # the cheap bound first
             a, b, g_a, g_b = a[keep], b[keep], g_a[keep], g_b[keep]
             ub = self._chord_bound(a * BLOCK, b * BLOCK, g_a, g_b, q_cum, p_cum)
-            keep = ub > best - 1e-11
+            keep = ub > best + PRUNE_TOL
             a, b, g_a, g_b = a[keep], b[keep], g_a[keep], g_b[keep]
             single = b - a == 1
             leaves = a[single]

@@ -68,6 +68,7 @@ from scipy import optimize, sparse
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.theory import _validate, _wor
+from quickdraft.theory._ratio import RatioProfile
 
 #: Above this many ordered draft tuples the exact enumeration gives way to the quadrature.
 _EXACT_TUPLE_LIMIT = 20_000
@@ -383,13 +384,23 @@ def kseq_rho(target_probs, draft_probs, num_drafts: int) -> float:
     return _kseq_rho(p, q, n)
 
 
-def _kseq_rho(p: np.ndarray, q: np.ndarray, n: int) -> float:
+
+def _kseq_rho(p: np.ndarray, q: np.ndarray, n: int, prof: RatioProfile | None = None) -> float:
+    r"""Bisection for the smallest root of :math:`h`; :math:`\rho\beta(\rho) = 1 - f(\rho)` from the ratio profile.
+
+    With :math:`f(\lambda) = \sum_x (p(x) - \lambda q(x))^+`, :math:`\rho \beta(\rho) = \sum_x \min(\rho q, p) = 1 - f(\rho)`,
+    so each evaluation of :math:`h` is one binary search after one sort (``prof``, built if not given).
+    """
+    if n == 1:
+        return 1.0
+    prof = RatioProfile(p, q) if prof is None else prof
+
     def h(rho: float) -> float:
-        beta = float(np.minimum(q, p / rho).sum())
-        return 1.0 - (1.0 - beta) ** n - rho * beta
+        rho_beta = 1.0 - prof.f(rho)
+        return 1.0 - (1.0 - rho_beta / rho) ** n - rho_beta
 
     lo, hi = 1.0, float(n)
-    if n == 1 or h(lo) <= 0.0:
+    if h(lo) <= 0.0:
         return lo
     if h(hi) > 0.0:  # cannot happen mathematically; guard against rounding
         return hi
@@ -404,6 +415,42 @@ def _kseq_rho(p: np.ndarray, q: np.ndarray, n: int) -> float:
     return hi
 
 
+def _kseq_rate(prof: RatioProfile, n: int) -> float:
+    r"""K-SEQ acceptance :math:`1 - (1 - \beta(\rho))^n` with :math:`\beta(\rho) = (1 - f(\rho))/\rho`."""
+    rho = _kseq_rho(None, None, n, prof)
+    beta = (1.0 - prof.f(rho)) / rho
+    return float(min(1.0, max(0.0, 1.0 - (1.0 - beta) ** n)))
+
+
+def _rrs_wr_reject_all(prof: RatioProfile, n: int) -> float:
+    r"""Probability that RRS with i.i.d. drafts rejects all ``n``: :math:`f(\lambda_{n+1})`.
+
+    Every residual is :math:`p_i = (p - \lambda_i q)^+ / f(\lambda_i)` with :math:`\lambda_1 = 0`,
+    :math:`\lambda_{i+1} = \lambda_i + f(\lambda_i)` (``docs/theory.md`` §5), and
+    :math:`\mathrm{TV}(p_i, q) = f(\lambda_{i+1}) / f(\lambda_i)`, so the product telescopes.
+    """
+    lam, fl = 0.0, 1.0
+    for _ in range(n):
+        if fl <= 0.0:
+            return 0.0
+        lam = lam + fl
+        fl = prof.f(lam)
+    return float(min(1.0, max(0.0, fl)))
+
+
+def _greedy_optimal_rate(p: np.ndarray, q: np.ndarray, n: int) -> float:
+    r"""Rate of the optimal greedy verifier, :math:`p(G) + \sum_{x \notin G} \min(p(x), q'(x))` (no plan arrays)."""
+    top = _greedy_top(q, n)
+    in_top = np.zeros(q.shape[0], dtype=bool)
+    in_top[top] = True
+    p_top = float(p[in_top].sum())
+    rest_mass = float(q[~in_top].sum())
+    if rest_mass <= 0:
+        return float(min(1.0, p_top))
+    rate = p_top + float(np.minimum(p[~in_top], q[~in_top] / rest_mass).sum())
+    return float(min(1.0, max(0.0, rate)))
+
+
 def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: str, verifier: str) -> float:
     r"""Exact acceptance rate of a multi-draft verifier (probability that a draft is accepted).
 
@@ -414,12 +461,18 @@ def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: st
         probability :math:`\min(1, p_i(x_i)/q(x_i))`, on rejection
         :math:`p_{i+1} = \mathrm{norm}((p_i - q)^+)`; if all are rejected emit a sample of
         :math:`p_{n+1}`. The residuals do not depend on which token was rejected, so the rate is
-        :math:`1 - \prod_{i=1}^n \mathrm{TV}(p_i, q)` in :math:`O(nV)`.
+        :math:`1 - \prod_{i=1}^n \mathrm{TV}(p_i, q) = 1 - f(\lambda_{n+1})` with
+        :math:`f(\lambda) = \sum_x (p - \lambda q)^+`, :math:`\lambda_{i+1} = \lambda_i + f(\lambda_i)`
+        (``docs/theory.md`` §5): one sort and ``n`` binary searches.
     ``"rrs"`` with ``"without_replacement"``
         Drafts drawn sequentially without replacement; at step :math:`i` the proposal is
         :math:`q_i` = :math:`q` without the earlier drafts, renormalised; accept :math:`x_i` with
         :math:`\min(1, p_i(x_i)/q_i(x_i))`, on rejection :math:`p_{i+1} = \mathrm{norm}((p_i - q_i)^+)`.
-        Exact recursion over the ordered draft prefixes: :math:`O(V^n)` work, small ``V`` only.
+        Exact recursion over the ordered draft prefixes when ``V ** n <= 2e6``. Beyond that the rate is
+        taken from the certified interval of
+        :func:`quickdraft.theory.rrs_wor.rrs_without_replacement_interval` (512 expansions) if the
+        interval is at most :data:`RRS_WOR_TOL` wide; otherwise a :class:`QuickdraftError` states the
+        interval (use that function directly to get bounds). Never a silent approximation.
     ``"kseq"`` with ``"with_replacement"`` (SpecTr K-SEQ, Sun et al. 2023)
         Accept :math:`x_i` with :math:`\min(1, p(x_i)/(\rho q(x_i)))`, the first accepted draft is
         emitted; if all are rejected emit from :math:`\mathrm{norm}((p - \rho q)^+)` (the residual that
@@ -464,24 +517,14 @@ def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: st
     if s not in allowed[ver]:
         raise QuickdraftError(f"verifier {ver!r} is not defined for sampling {s!r} (use {', '.join(allowed[ver])})")
     if ver == "kseq":
-        rho = _kseq_rho(p, q, n)
-        beta = float(np.minimum(q, p / rho).sum())
-        return float(min(1.0, 1.0 - (1.0 - beta) ** n))
+        return _kseq_rate(RatioProfile(p, q), n)
     if ver == "optimal_greedy":
-        return greedy_optimal_plan(p, q, n).acceptance
+        return _greedy_optimal_rate(p, q, n)
     if s == "greedy":
         return _rrs_greedy_rate(p, q, n)
     if s == "with_replacement":
-        reject = 1.0
-        cur = p
-        for _ in range(n):
-            tv = float(np.maximum(cur - q, 0.0).sum())
-            reject *= tv
-            if tv <= 0.0:
-                break
-            cur = np.maximum(cur - q, 0.0) / tv
-        return float(min(1.0, max(0.0, 1.0 - reject)))
-    return float(min(1.0, max(0.0, 1.0 - _rrs_wor_reject(p, q, n))))
+        return float(min(1.0, max(0.0, 1.0 - _rrs_wr_reject_all(RatioProfile(p, q), n))))
+    return _rrs_wor_rate(p, q, n)
 
 
 def _rrs_greedy_rate(p: np.ndarray, q: np.ndarray, n: int) -> float:
@@ -527,3 +570,28 @@ def _rrs_wor_reject(p: np.ndarray, q: np.ndarray, n: int) -> float:
         return total
 
     return rec(p, np.zeros(v, dtype=bool), 0)
+
+
+#: ``verifier_acceptance(..., "without_replacement", "rrs")`` runs the exact recursion up to this many
+#: ``V ** n`` states; above it the certified interval of :mod:`quickdraft.theory.rrs_wor` is used.
+_RRS_WOR_EXACT_STATES = 2_000_000
+#: Above the recursion limit the interval must be at most this wide to be returned as "the" rate.
+RRS_WOR_TOL = 1e-9
+
+
+def _rrs_wor_rate(p: np.ndarray, q: np.ndarray, n: int) -> float:
+    """RRS without replacement: the exact recursion for small ``V ** n``, else a certified interval of width <= RRS_WOR_TOL."""
+    v = p.shape[0]
+    if v ** min(n, v) <= _RRS_WOR_EXACT_STATES:
+        return float(min(1.0, max(0.0, 1.0 - _rrs_wor_reject(p, q, n))))
+    from quickdraft.theory.rrs_wor import rrs_without_replacement_interval
+
+    iv = rrs_without_replacement_interval(p, q, n, max_expansions=512, max_children=16)
+    lo, hi = float(iv.lower[n - 1]), float(iv.upper[n - 1])
+    if hi - lo > RRS_WOR_TOL:
+        raise QuickdraftError(
+            f"RRS without replacement at V={v}, n={n}: the certified interval after {iv.expansions} tree expansions is "
+            f"[{lo:.12f}, {hi:.12f}] (width {hi - lo:.2e} > {RRS_WOR_TOL:g}); use "
+            "quickdraft.theory.rrs_wor.rrs_without_replacement_interval with a larger budget to get bounds"
+        )
+    return 0.5 * (lo + hi)

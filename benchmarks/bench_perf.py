@@ -4,13 +4,19 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 
 * ``llamacpp-anchor``  llama.cpp's own plain decoding of the target GGUF (:func:`anchors.llamacpp_generate`)
 * ``llamacpp-ar`` / ``llamacpp-sd``  our engine on :class:`LlamaCppRunner` (target + draft GGUFs)
-* ``torch-bf16-ar`` / ``torch-bf16-sd``  our engine on the bf16 torch models
+* ``torch-fp32-ar`` / ``torch-fp32-sd``  our engine on the float32 torch models (``torch-bf16-*``: bfloat16)
 * ``torch-int8-ar`` / ``-sd``, ``torch-int4-ar`` / ``-sd``  the same with :mod:`quickdraft.quant` weights
+  (activations, norms and embeddings in ``--base-dtype``)
+* ``torch-fp32/int4-sd``  target float32 (untouched), draft int4 (``--quantize-draft int4``)
+* a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``
+
+``x_own_ar`` divides by the plain decoding of the same *target* weights (``torch-fp32/int4-sd`` is
+compared with ``torch-fp32-ar``).
 
 Prompts are the first ``--limit`` HumanEval problems as chat; every prompt runs every config (the
 order rotates from prompt to prompt, so machine drift hits all alike) after a short warm-up. Times
 are end to end per prompt (prefill included). Also measured, unless skipped: memory bandwidth (a
-large array copy), the cost of a target forward over m = 1, 2, 4, 8 new tokens per backend
+large array copy), the cost of a target forward over m = 1, 2, 5, 9, 16 new tokens (5 and 9 verify K = 4 and 8) per backend
 (interleaved), and the process's peak RSS against the bytes of weights held.
 
     python benchmarks/bench_perf.py --limit 4 --max-new-tokens 128 --temperatures 0 0.7 \\
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import resource
 import sys
 import time
@@ -31,12 +38,31 @@ import numpy as np
 import torch
 
 from quickdraft.datasets import load_humaneval
+from quickdraft.models import resolve_dtype
 from quickdraft.policies import Constant
 from quickdraft.sampling import SamplingParams
 
 DEFAULT_CONFIGS = (
-    "llamacpp-anchor", "llamacpp-ar", "llamacpp-sd", "torch-bf16-ar", "torch-bf16-sd", "torch-int4-ar", "torch-int4-sd",
+    "llamacpp-anchor", "llamacpp-ar", "llamacpp-sd", "torch-fp32-ar", "torch-fp32-sd", "torch-fp32/int4-sd",
+    "torch-fp32/int4-sd8", "torch-int4-ar", "torch-int4-sd",
 )
+#: weight label -> (dtype the model is loaded in, quantisation applied after loading; None: --base-dtype)
+WEIGHTS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": (None, "int8"), "int4": (None, "int4")}
+
+
+def parse_config(config: str) -> tuple[str, str, int | None]:
+    """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8)."""
+    key, method = config.rsplit("-", 1)
+    m = re.fullmatch(r"(ar|sd)(\d*)", method)
+    if m is None:
+        raise SystemExit(f"unknown method in config {config!r}: ar, sd or sdN")
+    return key, m.group(1), int(m.group(2)) if m.group(2) else None
+
+
+def own_ar(config: str) -> str:
+    """The plain-decoding config with the same target weights as ``config``."""
+    key, _, _ = parse_config(config)
+    return key.split("/")[0] + "-ar"
 
 
 def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
@@ -67,20 +93,43 @@ def weight_bytes(model) -> dict:
     return {"held": held, "read_per_forward": held - emb_bytes}
 
 
-def load_pipelines(configs: list[str], dtype: str) -> dict:
+def load_pipelines(configs: list[str], base_dtype: str) -> dict:
+    """One pipeline per weight configuration; each model is loaded (and quantised) once and shared,
+    e.g. ``torch-fp32`` and ``torch-fp32/int4`` hold the same target object."""
+    import gc
+
+    from quickdraft.models import check_compatible, load_model
     from quickdraft.pipeline import Pipeline
+    from quickdraft.quant import quantize_by_name
+
+    models: dict[tuple[str, str], object] = {}
+    tokenizer = None
+
+    def model(role: str, weights: str):
+        nonlocal tokenizer
+        if (role, weights) not in models:
+            if weights not in WEIGHTS:
+                raise SystemExit(f"unknown weights {weights!r} (one of {', '.join(WEIGHTS)})")
+            dtype, quant = WEIGHTS[weights]
+            m, tok = load_model(role, dtype=dtype or base_dtype)
+            tokenizer = tokenizer or tok
+            quantize_by_name(m, quant)
+            models[role, weights] = m
+            gc.collect()
+        return models[role, weights]
 
     pipes = {}
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("torch-")}):
-        pipes[f"torch-{weights}"] = Pipeline.from_specs(
-            "target", "draft", dtype=dtype, quantize="none" if weights == "bf16" else weights
-        )
+        target_w, _, draft_w = weights.partition("/")
+        target, draft = model("target", target_w), model("draft", draft_w or target_w)
+        check_compatible(tokenizer, tokenizer, target, draft)
+        pipes[f"torch-{weights}"] = Pipeline(target, tokenizer, draft)
     if any(c.startswith("llamacpp") for c in configs):
         pipes["llamacpp"] = Pipeline.from_specs("target", "draft", backend="llamacpp")
     return pipes
 
 
-def forward_costs(pipes: dict, prompt_ids: list[int], ms=(1, 2, 4, 8), repeats: int = 3) -> dict:
+def forward_costs(pipes: dict, prompt_ids: list[int], ms=(1, 2, 5, 9, 16), repeats: int = 3) -> dict:
     """Median seconds of one target forward over ``m`` new tokens after the prompt, per backend,
     interleaved across backends (and the same for the draft with m = 1)."""
     times: dict[str, list[float]] = {}
@@ -101,6 +150,7 @@ def forward_costs(pipes: dict, prompt_ids: list[int], ms=(1, 2, 4, 8), repeats: 
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     result: dict = {
         "command": "python benchmarks/bench_perf.py " + " ".join(args.argv),
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
@@ -110,7 +160,8 @@ def run(args: argparse.Namespace) -> dict:
     if not args.skip_bandwidth:
         result["bandwidth"] = memory_bandwidth()
     t0 = time.perf_counter()
-    pipes = load_pipelines(args.configs, args.dtype)
+    pipes = load_pipelines(args.configs, args.base_dtype)
+    result["machine"]["base_dtype"] = str(resolve_dtype(args.base_dtype)).removeprefix("torch.")
     result["load_seconds"] = time.perf_counter() - t0
     result["weights"] = {
         key: {"target": weight_bytes(p.target_model), "draft": weight_bytes(p.draft_model)}
@@ -141,9 +192,9 @@ def run(args: argparse.Namespace) -> dict:
             res = llamacpp_generate(None, ids, sampling=sampling, max_new_tokens=max_new, eos_token_ids=eos,
                                     seed=seed, model=anchor_model)
             return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
-        key, method = config.rsplit("-", 1)
+        key, method, k = parse_config(config)
         pipe = pipes[key]
-        out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(args.k), sampling=sampling,
+        out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(k or args.k), sampling=sampling,
                             max_new_tokens=max_new, seed=seed)
         m = out.metrics
         return {
@@ -155,6 +206,8 @@ def run(args: argparse.Namespace) -> dict:
 
     for config in args.configs:  # warm-up
         one(config, prompt_ids[0], SamplingParams(), 0, 4)
+    result["memory_after_load"] = _memory_status()
+    _reset_peak_rss()  # VmHWM from here on: the generation's peak, loading (and quantising) excluded
     rows = []
     for temperature in args.temperatures:
         sampling = SamplingParams(temperature=temperature)
@@ -164,10 +217,18 @@ def run(args: argparse.Namespace) -> dict:
                 r = one(config, ids, sampling, seed=i, max_new=args.max_new_tokens)
                 r.update(config=config, temperature=temperature, prompt=problems[i].id)
                 rows.append(r)
+                if args.out:  # a partial file after every row: a cut-off run still leaves its data
+                    Path(args.out).with_suffix(".partial.json").write_text(json.dumps({**result, "rows": rows}))
                 print(f"T={temperature} {problems[i].id} {config:16s} {r['new_tokens'] / r['seconds']:6.2f} tok/s", flush=True)
     result["summary"] = summarize(rows, args.configs, args.temperatures)
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["memory_status"] = _memory_status()  # RssFile: mmapped weight files (page cache, shared)
+    unique = {id(m): m for key, p in pipes.items() if key.startswith("torch") for m in (p.target_model, p.draft_model)}
+    held = sum(weight_bytes(m)["held"] for m in unique.values()) + sum(
+        w["held"] for key, ws in result["weights"].items() if key == "llamacpp" for w in ws.values())
+    result["weights_held_bytes"] = held
+    if result["memory_status"].get("VmHWM"):  # one config per process makes this the issue's ratio
+        result["peak_rss_over_weights"] = result["memory_status"]["VmHWM"] / held
     result["loadavg_end"] = list(_loadavg())
     result.update(max_new_tokens=args.max_new_tokens, k=args.k, prompts=[p.id for p in problems], rows=rows)
     return result
@@ -186,12 +247,10 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
             entry = {"tokens_per_second": tps(config), "new_tokens": sum(r["new_tokens"] for r in sel)}
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
-            if config.endswith("-sd"):
-                ar = config[:-3] + "-ar"
+            if parse_config(config)[1] == "sd":
+                ar = own_ar(config)
                 if ar in configs:
                     entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)
-                if "torch-bf16-ar" in configs:
-                    entry["x_torch_bf16_ar"] = entry["tokens_per_second"] / tps("torch-bf16-ar")
                 entry["mean_acceptance_length"] = (
                     sum(r["new_tokens"] for r in sel) / sum(max(1, r["target_forwards"] - 1) for r in sel)
                 )
@@ -200,6 +259,14 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                     entry["identical_to_own_ar"] = f"{sum(r['new_ids'] == own[r['prompt']] for r in sel)}/{len(sel)}"
             summary[f"{config}@T={temperature}"] = entry
     return summary
+
+
+def _reset_peak_rss() -> None:
+    """Reset this process's VmHWM to its current RSS (Linux: ``5`` to ``/proc/self/clear_refs``)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def _memory_status() -> dict:
@@ -231,7 +298,9 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--base-dtype", default="auto",
+                        help="dtype of the activations, norms and embeddings of int8/int4 models (auto: bf16 only "
+                        "where the CPU computes in it natively, else float32)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-bandwidth", action="store_true")
     parser.add_argument("--skip-forward-costs", action="store_true")
@@ -241,6 +310,7 @@ def main() -> None:
     result = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
+    Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)
     for key, entry in result["summary"].items():
         extras = " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()
                           if k not in ("tokens_per_second", "new_tokens"))

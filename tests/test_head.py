@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -13,13 +14,25 @@ from quickdraft.headtrain import (
     Examples,
     TrainConfig,
     acceptance_labels,
-    build_examples,
+    baseline_design,
+    build_dataset,
+    confidence_features,
+    expected_new_tokens,
+    fit_logistic,
+    head_path_for,
+    lockstep_batch,
     mix_tokens,
+    predict_logistic,
+    simulate_policies,
+    specdecpp_lengths,
+    split_groups,
     train_head,
     unweight,
     weighted_bce,
 )
+from quickdraft.engine import generate
 from quickdraft.runner import ModelRunner
+from quickdraft.sampling import SamplingParams
 from quickdraft.trainprompts import overlap_report, training_prompts
 
 from conftest import TINY_VOCAB, tiny_lm
@@ -118,27 +131,130 @@ def test_training_loss_falls_on_a_synthetic_task():
     labels = torch.sigmoid(2.0 * x[:, 0] - 1.5 * x[:, 1])  # acceptance depends on two directions
     ex = Examples(features=x.to(torch.bfloat16), labels=labels, loss_mask=torch.ones(n, dtype=torch.bool),
                   groups=torch.arange(n) // 30, data_hash="synthetic")
-    cfg = TrainConfig(num_layers=1, epochs=8, batch_size=256, lr=3e-3, reject_weight=2.0, holdout=0.2)
+    cfg = TrainConfig(num_layers=1, epochs=30, batch_size=256, lr=3e-3, reject_weight=2.0, holdout=0.2)
     head, report = train_head(ex, cfg, log=lambda m: None)
     hist = report["history"]
     assert hist[-1]["train_loss"] < 0.9 * hist[0]["train_loss"]
     assert min(r["heldout_loss"] for r in hist) < hist[0]["heldout_loss"]
     assert report["brier_unweighted"] < 0.75 * report["brier_constant_baseline"]
+    assert report["brier_base_rate"] <= report["brier_constant_baseline"] + 1e-9  # the best constant
+    assert report["heldout_positions"] + report["validation_positions"] + report["train_positions"] == n
 
 
-def test_build_examples_on_tiny_models(tiny_target, tiny_draft):
-    pipe = types.SimpleNamespace(target=ModelRunner(tiny_target), draft=ModelRunner(tiny_draft), vocab_size=TINY_VOCAB)
-    prompts = [[1, 2, 3], [4, 5]]
-    responses = [[7, 8, 9, 10, 11], [12, 13, 14]]
-    cfg = TrainConfig(mix_ratio=0.3, temperature=1.0)
-    ex = build_examples(pipe, prompts, responses, cfg, log=lambda m: None)
-    assert ex.features.shape == (8, 32) and ex.labels.shape == (8,)
-    assert ex.groups.tolist() == [0] * 5 + [1] * 3
-    assert ((ex.labels >= 0) & (ex.labels <= 1)).all()
-    # the same seed gives the same data (and hash); another seed draws other draft tokens
-    assert build_examples(pipe, prompts, responses, TrainConfig(seed=1), log=lambda m: None).data_hash != ex.data_hash
-    again = build_examples(pipe, prompts, responses, cfg, log=lambda m: None)
-    assert again.data_hash == ex.data_hash and torch.equal(again.labels, ex.labels)
+def test_split_groups_separates_validation_and_test_prompts():
+    groups = torch.arange(100).repeat_interleave(7)
+    val, test = split_groups(groups, 0.2, seed=0)
+    assert not (val & test).any()
+    assert groups[val].unique().numel() == 10 and groups[test].unique().numel() == 10
+    # whole prompts: a prompt is never split between sets
+    for g in groups.unique():
+        sel = groups == g
+        assert val[sel].all() or not val[sel].any()
+    assert torch.equal(split_groups(groups, 0.2, seed=0)[1], test) and not torch.equal(split_groups(groups, 0.2, seed=1)[1], test)
+    with pytest.raises(QuickdraftError, match="too few prompts"):
+        split_groups(torch.tensor([0, 0, 1]), 0.9, seed=0)
+
+
+def test_confidence_features_and_logistic_baseline():
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.5, 0.0]])
+    feats = confidence_features(probs, torch.tensor([1, 0]))
+    assert feats[:, 0].tolist() == pytest.approx([0.7, 0.5])
+    assert feats[:, 1].tolist() == pytest.approx([-(0.7 * math.log(0.7) + 0.2 * math.log(0.2) + 0.1 * math.log(0.1)),
+                                                   math.log(2)], abs=1e-6)
+    assert feats[:, 2].tolist() == pytest.approx([0.2, 0.5])
+    # acceptance that rises with the draft's top probability: the baseline finds it
+    gen = torch.Generator().manual_seed(0)
+    top = torch.rand(4000, generator=gen) * 0.9 + 0.1
+    stats = torch.stack([top, -top.log(), top], dim=1)
+    labels = torch.sigmoid(6 * (top - 0.5))
+    weights, pred = fit_logistic(baseline_design(stats), labels)
+    assert torch.allclose(pred, predict_logistic(weights, baseline_design(stats)))
+    assert ((pred - labels) ** 2).mean() < 0.1 * labels.var()
+
+
+def test_head_path_for_several_temperatures():
+    assert str(head_path_for("m/h.pt", 0.0, False)) == "m/h.pt"
+    assert [str(head_path_for("m/h.pt", t, True)) for t in (0.0, 0.7)] == ["m/h-t0.pt", "m/h-t0.7.pt"]
+
+
+def _tiny_pipe(tiny_target, tiny_draft):
+    return types.SimpleNamespace(target=ModelRunner(tiny_target), draft=ModelRunner(tiny_draft), vocab_size=TINY_VOCAB)
+
+
+def test_lockstep_labels_and_features_equal_fresh_forwards(tiny_target, tiny_draft):
+    """Batched (left-padded) lockstep decoding gives, row by row, the target's greedy response, the
+    exact labels of fresh forwards over prompt + response, and the draft's hidden states of a fresh
+    forward over prompt + mixed tokens."""
+    pipe = _tiny_pipe(tiny_target, tiny_draft)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    cfg = TrainConfig(max_new_tokens=9, response_temperature=0.0, mix_ratio=0.3)
+    data = lockstep_batch(pipe, prompts, cfg, (0.0, 1.0), seed=3)
+    plain = generate(ModelRunner(tiny_target), prompts, method="ar", sampling=SamplingParams(temperature=0.0),
+                     max_new_tokens=9)
+    assert data["responses"] == plain.sequences
+    assert data["rows"].tolist() == [0] * 9 + [1] * 9 + [2] * 9
+    for t, d in data["by_temperature"].items():
+        assert d["features"].shape == (27, 32) and d["labels"].shape == (27,)
+        for row, (prompt, resp) in enumerate(zip(prompts, data["responses"])):
+            sel = data["rows"] == row
+            with torch.no_grad():
+                seq = torch.tensor([prompt + resp])
+                p_logits = tiny_target(seq).logits[0, len(prompt) - 1:-1]  # [n, V] given X_<j
+                q_logits = tiny_draft(seq).logits[0, len(prompt) - 1:-1]
+                fresh = tiny_draft(torch.tensor([prompt + d["mixed_ids"][sel].tolist()]),
+                                   output_hidden_states=True).hidden_states[-1][0, len(prompt):]
+            y = d["draft_ids"][sel]
+            if t == 0.0:
+                assert torch.equal(y, q_logits.argmax(-1))
+                assert d["labels"][sel].tolist() == (y == p_logits.argmax(-1)).float().tolist()
+            else:
+                p = p_logits.softmax(-1).gather(1, y[:, None]).squeeze(1)
+                q = q_logits.softmax(-1).gather(1, y[:, None]).squeeze(1)
+                assert torch.allclose(d["labels"][sel], (p / q).clamp_max(1.0), atol=1e-5)
+            assert torch.allclose(d["features"][sel].float(), fresh.to(torch.bfloat16).float(), atol=2e-2)
+            kept = ~d["loss_mask"][sel]  # the target's token is the context there
+            assert torch.equal(d["mixed_ids"][sel][kept], torch.tensor(resp)[kept])
+            assert torch.equal(d["mixed_ids"][sel][~kept], y[~kept])
+        assert 0 < int((~d["loss_mask"]).sum()) < 27
+
+
+def test_lockstep_rows_stop_after_eos(tiny_target, tiny_draft):
+    pipe = _tiny_pipe(tiny_target, tiny_draft)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    cfg = TrainConfig(max_new_tokens=8, response_temperature=0.0, mix_ratio=0.0)
+    full = lockstep_batch(pipe, prompts, cfg, (0.0,), seed=0)["responses"]
+    eos = full[0][2]  # row 0 stops at its third token
+    data = lockstep_batch(pipe, prompts, cfg, (0.0,), seed=0, eos_ids={eos})
+    assert data["responses"][0] == full[0][:3]
+    cut = full[1].index(eos) + 1 if eos in full[1] else 8
+    assert data["responses"][1] == full[1][:cut]
+    assert len(data["rows"]) == 3 + cut == len(data["by_temperature"][0.0]["labels"])
+
+
+def test_build_dataset_groups_cache_and_resume(tmp_path, tiny_target, tiny_draft):
+    pipe = _tiny_pipe(tiny_target, tiny_draft)
+    prompts = [[1, 2], [3, 4, 5], [6], [7, 8, 9, 10], [11, 12, 13]]
+    cfg = TrainConfig(max_new_tokens=6, gen_batch=2, mix_ratio=0.15)
+    quiet = lambda m: None  # noqa: E731
+    # a spent time budget starts no batch: nothing to train on yet
+    with pytest.raises(QuickdraftError, match="no training data"):
+        build_dataset(pipe, prompts, cfg, (0.0, 0.7), tmp_path, time_budget=1e-9, log=quiet)
+    ex = build_dataset(pipe, prompts, cfg, (0.0, 0.7), tmp_path, log=quiet)
+    assert len(list(tmp_path.glob("lockstep-*.pt"))) == 3
+    # cached batches are used whatever the budget
+    cached = build_dataset(pipe, prompts, cfg, (0.0, 0.7), tmp_path, time_budget=1e-9, log=quiet)
+    assert cached[0.0].data_hash == ex[0.0].data_hash
+    for t in (0.0, 0.7):
+        assert sorted(set(ex[t].groups.tolist())) == [0, 1, 2, 3, 4]
+        assert torch.bincount(ex[t].groups).tolist() == [6] * 5  # no EOS: 6 positions per prompt
+        assert ex[t].draft_stats.shape == (30, 3) and ex[t].temperature == t
+    assert ex[0.0].data_hash != ex[0.7].data_hash
+    again = build_dataset(pipe, prompts, cfg, (0.0, 0.7), tmp_path, log=quiet)  # all from the cache
+    assert again[0.7].data_hash == ex[0.7].data_hash and torch.equal(again[0.7].features, ex[0.7].features)
+    fresh = build_dataset(pipe, prompts, cfg, (0.0, 0.7), None, log=quiet)  # no cache: same data
+    assert fresh[0.7].data_hash == ex[0.7].data_hash
+    other = build_dataset(pipe, prompts, TrainConfig(max_new_tokens=6, gen_batch=2, seed=1), (0.7,), None, log=quiet)
+    assert other[0.7].data_hash != ex[0.7].data_hash
 
 
 def test_training_prompts_are_deterministic_and_do_not_overlap_the_benchmarks():
@@ -157,3 +273,71 @@ def test_training_prompts_are_deterministic_and_do_not_overlap_the_benchmarks():
     assert overlap_report(all_tasks(), texts, [p["entry_point"] for p in problems]) == []
     # the check has teeth: a HumanEval prompt itself is reported
     assert overlap_report([problems[0]["prompt"]], texts, []) != []
+
+
+def test_offline_policy_estimate():
+    # constant acceptance a: a step of K tokens yields 1 + a + ... + a^K for K c + 1 (end effects aside)
+    a, c, n = 0.8, 0.4, 5000
+    sim = simulate_policies(torch.full((n,), a), torch.full((n,), a), torch.zeros(n, dtype=torch.long), c,
+                            fixed_k=(1, 3), thresholds=())
+    for k in (1, 3):
+        assert sim[f"fixed_k{k}"] == pytest.approx(sum(a ** i for i in range(k + 1)) / (k * c + 1), rel=1e-2)
+    # two regimes (easy stretches, hard stretches): a head that knows them beats every fixed K
+    labels = torch.cat([torch.ones(40), torch.full((40,), 0.1)]).repeat(20)
+    groups = torch.arange(labels.numel()) // 400
+    sim = simulate_policies(labels, labels, groups, 0.3, thresholds=(0.5,))
+    best_fixed = max(v for k, v in sim.items() if k.startswith("fixed"))
+    assert sim["specdecpp_h0.5"] > 1.2 * best_fixed
+    assert specdecpp_lengths(torch.tensor([0.9, 0.9]), 0.5, 1).tolist() == [1, 1]
+    assert expected_new_tokens(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([5, 1, 1])).tolist() == [4.0, 2.0, 2.0]
+
+
+def test_train_head_command_end_to_end_and_head_mismatch(tmp_path, monkeypatch, tiny_target, tiny_draft):
+    """``quickdraft train-head`` on the tiny pair (Pipeline.from_specs patched): one head per
+    temperature at ``<stem>-t<T>.pt`` with its report; the head then drives ``generate --policy
+    specdecpp`` (greedy output = plain decoding), and a head for another draft is refused."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from typer.testing import CliRunner
+
+    from quickdraft import headtrain
+    from quickdraft.cli import app
+    from quickdraft.pipeline import Pipeline
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(TINY_VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
+    pipe = Pipeline(tiny_target, tokenizer, tiny_draft)
+    monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *args, **kwargs: pipe))
+    monkeypatch.setattr(headtrain, "specdecpp_cache_dir", lambda: tmp_path / "cache")
+    words = [" ".join(f"w{(7 * i + j) % 60 + 1}" for j in range(3 + i % 4)) for i in range(10)]
+    monkeypatch.setattr("quickdraft.trainprompts.training_prompts", lambda n, seed=0: words[:n])
+    runner = CliRunner()
+    out = tmp_path / "heads" / "h.pt"
+    result = runner.invoke(app, ["train-head", "--out", str(out), "--num-prompts", "10", "--max-new-tokens", "6",
+                                 "--gen-batch", "5", "--epochs", "2", "--temperature", "0", "--temperature", "0.7",
+                                 "--report", str(tmp_path / "report.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report) == {"T=0", "T=0.7", "total_seconds"}
+    assert len(list((tmp_path / "cache").glob("lockstep-*.pt"))) == 2  # two batches cached
+    for t, name in ((0.0, "h-t0.pt"), (0.7, "h-t0.7.pt")):
+        head = load_head(tmp_path / "heads" / name)
+        assert head.metadata.temperature == t and head.metadata.draft_fingerprint == model_fingerprint(tiny_draft)
+        assert head.metadata.data_hash == report[f"T={t:g}"]["data_hash"]
+        assert report[f"T={t:g}"]["prompts_used"] == 10
+    assert not out.exists()  # several temperatures: only the -t<T> files
+
+    common = ["generate", "w1 w2 w3", "--no-chat", "--temperature", "0", "--max-new-tokens", "12", "--json"]
+    plain = runner.invoke(app, common + ["--method", "ar"])
+    adaptive = runner.invoke(app, common + ["--method", "sd", "--policy", "specdecpp", "--k", "5",
+                                            "--head", str(tmp_path / "heads" / "h-t0.pt"), "--stop-threshold", "0.5"])
+    assert plain.exit_code == 0 and adaptive.exit_code == 0, adaptive.output
+    text = lambda r: json.loads(r.output[r.output.index("{"):])["text"]  # noqa: E731
+    assert text(adaptive) == text(plain)
+    alien = save_head(AcceptanceHead(32, 1, HeadMetadata(draft="other", draft_fingerprint=model_fingerprint(tiny_lm(seed=9)))),
+                      tmp_path / "alien.pt")
+    refused = runner.invoke(app, common + ["--method", "sd", "--policy", "specdecpp", "--head", str(alien)])
+    assert refused.exit_code == 2 and "acceptance head mismatch" in refused.output

@@ -62,7 +62,7 @@ def draft_runner(gguf):
     r.close()
 
 
-def test_block_logits_equal_token_by_token_logits_and_rollback_restores_them(runner):
+def test_block_logits_match_token_by_token_logits_and_rollback_restores_them(runner):
     prompt = PROMPTS[0]
     runner.reset(1)
     stepwise = [runner.forward(torch.tensor([[t]]), logits_to_keep=1).logits[0, -1] for t in prompt]
@@ -72,12 +72,17 @@ def test_block_logits_equal_token_by_token_logits_and_rollback_restores_them(run
     assert block.logits.shape == (1, len(prompt), runner.vocab_size) and block.logits.dtype == torch.float32
     assert torch.equal(block.logits[0].argmax(-1), stepwise.argmax(-1))
     assert float((block.logits[0] - stepwise).abs().max()) < 0.05 * float(stepwise.abs().max())
-    # roll back three tokens, feed them again: the same logits as the first time (cache really cut)
+    # roll back three tokens, feed them again: the same logits as a fresh run of the same blocks
+    # (llama.cpp's kernels differ with the block size, so only equal shapes are compared exactly)
+    runner.reset(1)
+    runner.forward(torch.tensor([prompt[:-3]]), logits_to_keep=1)
+    fresh = runner.forward(torch.tensor([prompt[-3:]]), logits_to_keep=2).logits[0]
+    runner.forward(torch.tensor([[7, 8]]), logits_to_keep=1)  # pollute the cache past the cut
     runner.truncate(torch.tensor([len(prompt) - 3]))
     assert runner.lengths.tolist() == [len(prompt) - 3]
     again = runner.forward(torch.tensor([prompt[-3:]]), logits_to_keep=2)
     assert again.logits.shape == (1, 2, runner.vocab_size)
-    assert torch.allclose(again.logits[0], block.logits[0, -2:], atol=1e-3, rtol=1e-3)
+    assert torch.allclose(again.logits[0], fresh, atol=1e-4, rtol=1e-4)
     assert runner.lengths.tolist() == [len(prompt)]
 
 

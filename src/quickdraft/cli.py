@@ -95,6 +95,9 @@ def generate(
             target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
             quantize_draft=quantize_draft,
         )
+        acceptance_head = getattr(spec.policy, "head", None)
+        if acceptance_head is not None and backend == "torch" and pipe.draft_model is not None:
+            acceptance_head.check_draft(pipe.draft_model, name=f"draft {draft!r}")  # clear error on a mismatch
         if not json_out:
             typer.echo(f"[{method}] target={target} draft={draft if spec.needs_draft else '-'}", err=True)
         single = len(prompts) == 1

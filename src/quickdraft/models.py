@@ -631,17 +631,24 @@ def resolve(spec: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | No
 # --------------------------------------------------------------------------------------------
 
 
-def _cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes in bf16 natively (x86 AVX512-BF16/AMX-BF16, Arm BF16)."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``); empty
+    where that file does not exist."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
     flags: set[str] = set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features"):
             flags.update(value.split())
+    return frozenset(flags)
+
+
+def _cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (x86 AVX512-BF16/AMX-BF16, Arm BF16)."""
+    flags = cpu_flags()
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 

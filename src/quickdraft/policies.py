@@ -128,7 +128,7 @@ def rejection_risk(accept_probs: torch.Tensor) -> torch.Tensor:
     -------
     ``[B]`` risks in ``[0, 1]``.
 
-    >>> rejection_risk(torch.tensor([[0.9, 0.5]])).tolist()
+    >>> [round(r, 6) for r in rejection_risk(torch.tensor([[0.9, 0.5]])).tolist()]
     [0.55]
     """
     if accept_probs.dim() != 2:
@@ -228,11 +228,12 @@ class Heuristic(Policy):
 class Confidence(Policy):
     """Stop drafting after a token whose draft distribution has top probability below ``p_min``.
 
-    The confidence is read from the temperature-1 distribution. The engine hands the policy the
-    *processed* draft distribution, which at temperature 0 is one-hot (top probability 1, so the
-    policy would never stop); given ``output_head`` (the draft model's ``lm_head``) the policy
-    recomputes the temperature-1 distribution from the hidden state that produced the token,
-    ``softmax(lm_head(h))``, at the price of one more ``lm_head`` product per draft token.
+    The confidence is read from the temperature-1 distribution, which :class:`ModelDrafter` hands
+    every policy as ``draft_probs`` (the *processed* distribution would be one-hot at temperature 0
+    and never stop the draft). For a drafter that hands over a processed distribution, give
+    ``output_head`` (the draft model's ``lm_head``): the policy then recomputes
+    ``softmax(lm_head(h))`` from the hidden state that produced the token, at the price of one more
+    ``lm_head`` product per draft token.
 
     A row is *at risk* (risk 1) from its first low-confidence token on; the batch stops by
     :func:`batch_stop` with threshold 1/2 (``"mean"``: when more than half the rows are at risk).

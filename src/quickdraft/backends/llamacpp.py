@@ -12,8 +12,9 @@ It drives ``llama-cpp-python``'s low-level C API directly (no high-level ``Llama
 
 Batch size 1 only (``reset(B)`` with ``B > 1`` raises); trees would use more sequence ids.
 
-Weight repacking into the CPU's "extra buffer types" (``use_extra_bufts``) is off by default: with
-it on, the first forward of the default models crashed on this machine (see /work/shared/MODELS.md).
+Weight repacking into the CPU's "extra buffer types" (``use_extra_bufts``, e.g. Q4_K into the
+interleaved 8×8 layout of llama.cpp's AVX2 kernels) is on by default except on CPUs with AMX: with
+AMX repacking on, the first forward of the default models crashed (see /work/shared/MODELS.md).
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def import_llama_cpp():
             f"(compiles llama.cpp, ~4 min) ({err})"
         ) from None
     return llama_cpp
+
+
+def default_repack() -> bool:
+    """Whether to let llama.cpp repack weights (``use_extra_bufts``) by default: yes, unless the CPU
+    has AMX, where the repacked first forward crashed on the default models."""
+    from quickdraft.models import cpu_flags
+
+    return not any(flag.startswith("amx") for flag in cpu_flags())
 
 
 def is_available() -> bool:
@@ -93,11 +102,12 @@ class LlamaGGUF:
     n_batch:
         Largest block passed to one ``llama_decode`` (longer prefills are split).
     repack:
-        ``use_extra_bufts``: let llama.cpp repack weights for the CPU's extra buffer types.
+        ``use_extra_bufts``: let llama.cpp repack weights for the CPU's extra buffer types;
+        ``None`` (default): on unless the CPU has AMX (:func:`default_repack`).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int = 2,
-                 n_batch: int = 512, repack: bool = False) -> None:
+                 n_batch: int = 512, repack: bool | None = None) -> None:
         self.lib = lib = import_llama_cpp()
         path = Path(path)
         if not path.is_file():
@@ -106,7 +116,7 @@ class LlamaGGUF:
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
         if hasattr(mparams, "use_extra_bufts"):
-            mparams.use_extra_bufts = bool(repack)
+            mparams.use_extra_bufts = default_repack() if repack is None else bool(repack)
         self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise QuickdraftError(f"llama.cpp could not load {path}")
@@ -207,7 +217,7 @@ class LlamaCppRunner:
     """
 
     def __init__(self, path: str | os.PathLike[str], name: str = "model", *, vocab_size: int | None = None,
-                 n_ctx: int = 4096, n_threads: int = 2, n_batch: int = 512, repack: bool = False,
+                 n_ctx: int = 4096, n_threads: int = 2, n_batch: int = 512, repack: bool | None = None,
                  generation_config=None) -> None:
         self.gguf = LlamaGGUF(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, repack=repack)
         self.name = name

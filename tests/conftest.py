@@ -51,6 +51,16 @@ def tiny_draft(tiny_target) -> Qwen2ForCausalLM:
     return perturbed_copy(tiny_target, scale=0.3, seed=1)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny tensor ops: with two threads on the shared 2-core
+    machine the OpenMP barriers made such tests up to 10x slower. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def real_models():
     """The installed default pair's cache entries; skips with the install command if absent."""
@@ -82,3 +92,25 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
         obs, exp = obs[:-1], exp[:-1]
     exp = exp * obs.sum() / exp.sum()
     return float(stats.chisquare(obs, exp).pvalue)
+
+
+def tree_pair_counts(
+    tree, p1: torch.Tensor, p2: torch.Tensor, verifier: str, generator: torch.Generator
+) -> tuple[np.ndarray, int]:
+    """Counts ``[V, V]`` of the first two tokens emitted by verifying a depth-2 ``tree`` (one row per
+    independent step) against the target law ``p1`` after the root and ``p2[first]`` after each
+    first token; a step that accepts no draft token gets its second token sampled from ``p2``.
+    Returns the counts and the number of draft tokens accepted in all."""
+    from quickdraft.tree_decoding import verify_tree
+
+    n, vocab = tree.tokens.shape[0], p1.shape[-1]
+    # target after each node: root -> p1, depth-1 node -> p2[token] (depth-2 nodes: unused)
+    target_probs = torch.where((tree.depths == 1).unsqueeze(-1), p2[tree.tokens], p1.expand(n, tree.num_nodes, -1))
+    res = verify_tree(tree, target_probs, verifier=verifier, generator=generator)
+    first = res.output_ids[:, 0]
+    second = torch.where(
+        res.num_accepted >= 1, res.output_ids[:, 1], torch.multinomial(p2[first], 1, generator=generator).squeeze(1)
+    )
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (first.numpy(), second.numpy()), 1)
+    return counts, int(res.num_accepted.sum())

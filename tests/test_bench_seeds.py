@@ -23,12 +23,7 @@ from quickdraft.pipeline import Pipeline
 from conftest import TINY_VOCAB
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_prompt_seed_is_a_stable_hash_of_seed_and_prompt_id():

@@ -21,13 +21,7 @@ from quickdraft.sampling import SamplingParams
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread avoids OpenMP barrier costs (large on a loaded machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[3, 17, 42, 99], [5, 8], [200, 1, 2, 3, 4, 5]]
 
 

@@ -29,14 +29,7 @@ PASS = 1e-4
 FAIL = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tests run many small tensor ops: one intra-op thread avoids contention on the shared
-    2-core machine (with 2 threads under load they ran up to 10x slower). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chi2_pvalue(codes: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
@@ -181,7 +174,6 @@ def markov_models(v: int, seed: int, noise: float, params=SamplingParams(tempera
 
 def ersd_step(rule, target, draft, prev, positions, row_ids, k, propose=None):
     """One chain ERSD step after tokens ``prev [B]``; drafts via the rule unless ``propose`` given."""
-    b = prev.shape[0]
     ctx = VerifyContext(positions=positions, extra={"row_ids": row_ids})
     ids, dprobs, tprobs = [], [], [target.dist(prev)]
     last = prev

@@ -39,14 +39,7 @@ PASS = 1e-4  # a correct rule must not be rejected at this level
 FAIL = 1e-6  # a wrong rule must be rejected at this level
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tests run many small tensor ops: one intra-op thread avoids contention on the shared
-    2-core machine (with 2 threads under load they ran up to 10x slower). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- goodness of fit ----------------------------------------------------------------------------

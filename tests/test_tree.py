@@ -31,9 +31,9 @@ from quickdraft.rules import Fuzzy, Typical
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs
 from quickdraft.tree import TokenTree, TreeConfig, ancestor_mask, build_tree, compile_paths, sampled_plan
-from quickdraft.tree_decoding import generate_tree, verify_tree
+from quickdraft.tree_decoding import generate_tree
 
-from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, perturbed_copy, tiny_lm
+from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, perturbed_copy, tiny_lm, tree_pair_counts
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 PROMPT = [1, 2, 3]
@@ -42,12 +42,7 @@ P_PASS = 1e-4
 P_FAIL = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,18 +203,7 @@ class _Tables:
         tree = build_tree(roots, self.draft_root.expand(n, -1), expand, config, self.params, gen)
         if relabel is not None:  # negative control: tell the verifier the wrong draft law
             tree = TokenTree(**{**tree.__dict__, "scheme": relabel})
-        # target distribution after every node: depth 0 -> p1, depth 1 -> p2[token], depth 2 unused
-        target_probs = torch.where(
-            (tree.depths == 1).unsqueeze(-1), self.p2[tree.tokens], self.p1.expand(n, tree.num_nodes, -1)
-        )
-        res = verify_tree(tree, target_probs, verifier=verifier, generator=gen)
-        first = res.output_ids[:, 0]
-        second = torch.where(
-            res.num_accepted >= 1, res.output_ids[:, 1], torch.multinomial(self.p2[first], 1, generator=gen).squeeze(1)
-        )
-        counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
-        np.add.at(counts, (first.numpy(), second.numpy()), 1)
-        return counts
+        return tree_pair_counts(tree, self.p1, self.p2, verifier, gen)[0]
 
 
 @pytest.fixture(scope="module")

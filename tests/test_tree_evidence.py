@@ -40,9 +40,9 @@ from quickdraft.engine import generate
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs
 from quickdraft.tree import TokenTree, TreeConfig, build_tree
-from quickdraft.tree_decoding import generate_tree, verify_tree
+from quickdraft.tree_decoding import generate_tree
 
-from conftest import chi_square_pvalue, perturbed_copy, tiny_lm
+from conftest import chi_square_pvalue, perturbed_copy, tiny_lm, tree_pair_counts
 
 V = 8
 N = 100_000
@@ -63,12 +63,7 @@ TREE_COMBOS = [
 KINDS = ["random", "peaked", "disjoint", "partial"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,18 +126,7 @@ class Tables:
             tree = TokenTree(**{**tree.__dict__, "scheme": relabel})
         # the tree's own draft distributions are the tables (float32 round trip through the logits)
         assert torch.allclose(tree.expanded_probs[:, 0].double(), self.q1.expand(n, -1), atol=1e-6)
-        # target after each node: root -> p1, depth-1 node -> p2[token] (depth-2 nodes: unused)
-        target_probs = torch.where(
-            (tree.depths == 1).unsqueeze(-1), self.p2[tree.tokens], self.p1.expand(n, tree.num_nodes, -1)
-        )
-        res = verify_tree(tree, target_probs, verifier=verifier, generator=gen)
-        first = res.output_ids[:, 0]
-        second = torch.where(
-            res.num_accepted >= 1, res.output_ids[:, 1], torch.multinomial(self.p2[first], 1, generator=gen).squeeze(1)
-        )
-        counts = np.zeros((V, V))
-        np.add.at(counts, (first.numpy(), second.numpy()), 1)
-        self.accepted = int(res.num_accepted.sum())
+        counts, self.accepted = tree_pair_counts(tree, self.p1, self.p2, verifier, gen)
         return counts
 
 

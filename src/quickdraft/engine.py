@@ -189,7 +189,6 @@ def generate(
     device = target.device
     generator = torch.Generator(device=device).manual_seed(int(seed) if seed is not None else int(torch.seed() % (1 << 62)))
     sequences = [list(p) for p in prompts]
-    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     new_ids: list[list[int]] = [[] for _ in range(b)]
     metrics = [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
     active = torch.ones(b, dtype=torch.bool, device=device)

@@ -4,7 +4,9 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 
 * ``llamacpp-anchor``  llama.cpp's own plain decoding of the target GGUF (:func:`anchors.llamacpp_generate`)
 * ``llamacpp-ar`` / ``llamacpp-sd``  our engine on :class:`LlamaCppRunner` (target + draft GGUFs)
-* ``torch-fp32-ar`` / ``torch-fp32-sd``  our engine on the float32 torch models (``torch-bf16-*``: bfloat16)
+* ``torch-fp32-ar`` / ``torch-fp32-sd``  our engine on the float32 torch models, linear layers on oneDNN
+  with packed weights (:mod:`quickdraft.packed`, the default on this CPU); ``torch-fp32mkl-*``: the
+  same weights on ``nn.Linear`` (MKL), i.e. before packing; ``torch-bf16-*``: bfloat16
 * ``torch-int8-ar`` / ``-sd``, ``torch-int4-ar`` / ``-sd``  the same with :mod:`quickdraft.quant` weights
   (activations, norms and embeddings in ``--base-dtype``)
 * ``torch-fp32/int4-sd``  target float32 (untouched), draft int4 (``--quantize-draft int4``)
@@ -19,7 +21,7 @@ are end to end per prompt (prefill included). Also measured, unless skipped: mem
 large array copy), the cost of a target forward over m = 1, 2, 5, 9, 16 new tokens (5 and 9 verify K = 4 and 8) per backend
 (interleaved), and the process's peak RSS against the bytes of weights held.
 
-    python benchmarks/bench_perf.py --limit 4 --max-new-tokens 128 --temperatures 0 0.7 \\
+    python benchmarks/bench_perf.py --limit 3 --max-new-tokens 128 --temperatures 0 0.7 \\
         --out benchmarks/results/perf_full.json
 """
 
@@ -43,11 +45,14 @@ from quickdraft.policies import Constant
 from quickdraft.sampling import SamplingParams
 
 DEFAULT_CONFIGS = (
-    "llamacpp-anchor", "llamacpp-ar", "llamacpp-sd", "torch-fp32-ar", "torch-fp32-sd", "torch-fp32/int4-sd",
-    "torch-fp32/int4-sd8", "torch-int4-ar", "torch-int4-sd",
+    "llamacpp-anchor", "llamacpp-ar", "llamacpp-sd2", "llamacpp-sd", "torch-fp32-ar", "torch-fp32-sd", "torch-fp32-sd6",
 )
-#: weight label -> (dtype the model is loaded in, quantisation applied after loading; None: --base-dtype)
-WEIGHTS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"), "int8": (None, "int8"), "int4": (None, "int4")}
+#: weight label -> (dtype the model is loaded in, quantisation applied after loading, oneDNN packing);
+#: dtype None: --base-dtype; packing None: the default of :func:`quickdraft.packed.maybe_pack`
+WEIGHTS = {
+    "fp32": ("float32", "none", None), "fp32mkl": ("float32", "none", False), "bf16": ("bfloat16", "none", None),
+    "int8": (None, "int8", None), "int4": (None, "int4", None),
+}
 
 
 def parse_config(config: str) -> tuple[str, str, int | None]:
@@ -99,6 +104,7 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
     import gc
 
     from quickdraft.models import check_compatible, load_model
+    from quickdraft.packed import maybe_pack
     from quickdraft.pipeline import Pipeline
     from quickdraft.quant import quantize_by_name
 
@@ -110,10 +116,11 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         if (role, weights) not in models:
             if weights not in WEIGHTS:
                 raise SystemExit(f"unknown weights {weights!r} (one of {', '.join(WEIGHTS)})")
-            dtype, quant = WEIGHTS[weights]
+            dtype, quant, pack = WEIGHTS[weights]
             m, tok = load_model(role, dtype=dtype or base_dtype)
             tokenizer = tokenizer or tok
             quantize_by_name(m, quant)
+            maybe_pack(m, pack)
             models[role, weights] = m
             gc.collect()
         return models[role, weights]

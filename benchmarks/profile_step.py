@@ -2,13 +2,13 @@
 
 Wraps the ``forward`` / ``forward_tree`` methods of both model runners with wall-clock timers and
 runs plain (``ar``) and speculative (``sd``, constant K) decoding of the same HumanEval prompts, for
-each configuration of ``bench_perf.py`` (``torch-fp32``: both models float32; ``torch-fp32/int4``:
-float32 target, int4 draft — ``--quantize-draft int4``; ``torch-int4``: both int4; ``llamacpp``: the
+each configuration of ``bench_perf.py`` (``torch-fp32mkl``: both models float32 on ``nn.Linear``, i.e.
+MKL — before; ``torch-fp32``: the same with oneDNN packed linear layers — after; ``llamacpp``: the
 GGUF pair on llama.cpp). "Other" is the rest of the decode time: sampling,
 verification, KV truncation and Python. Prefill is excluded (it is timed apart by the engine).
 
-    python benchmarks/profile_step.py --limit 2 --max-new-tokens 96 --weights torch-fp32 torch-fp32/int4 \
-        torch-int4 llamacpp --out benchmarks/results/profile_step.json
+    python benchmarks/profile_step.py --limit 2 --max-new-tokens 96 --weights torch-fp32mkl torch-fp32 llamacpp \
+        --out benchmarks/results/profile_step.json
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--weights", nargs="+", default=["torch-fp32", "torch-fp32/int4", "torch-int4", "llamacpp"])
+    parser.add_argument("--weights", nargs="+", default=["torch-fp32mkl", "torch-fp32", "llamacpp"])
     parser.add_argument("--base-dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/profile_step.json")

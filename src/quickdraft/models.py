@@ -726,6 +726,8 @@ def load_model(
 def _logits_dim(model: Any) -> int:
     """Number of logits the model emits per position (its output head rows)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "out_features", None) is not None:  # nn.Linear, quantised, packed
+        return int(head.out_features)
     if head is not None and getattr(head, "weight", None) is not None:
         return int(head.weight.shape[0])
     return int(model.config.vocab_size)

@@ -72,6 +72,7 @@ class Pipeline:
     def from_specs(
         cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
         backend: str = "torch", quantize: str = "none", quantize_draft: str | None = None,
+        pack: bool | None = None,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
@@ -81,7 +82,10 @@ class Pipeline:
         (:mod:`quickdraft.quant`); ``quantize_draft`` overrides it for the draft alone (default: the
         same as ``quantize``). Quantising only the draft keeps every lossless method exactly
         target-distributed — the target's weights are untouched — while each draft step reads
-        about a quarter of the bytes (``docs/performance.md``).
+        about a quarter of the bytes (``docs/performance.md``). ``pack`` puts the fp32 linear layers
+        left after quantisation on oneDNN with pre-packed weights (:mod:`quickdraft.packed`; default
+        ``None``: where that is the fast path — fp32 on a CPU without native bf16), so that a
+        verification forward over K + 1 tokens costs about as much as a one-token forward.
         """
         from quickdraft.backends import BACKEND_NAMES
         from quickdraft.models import check_compatible, load_model
@@ -113,9 +117,13 @@ class Pipeline:
         if draft is not None:
             draft_model, draft_tokenizer = load_model(draft, dtype=dtype)
             check_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
+        from quickdraft.packed import maybe_pack
+
         quantize_by_name(target_model, quantize)
+        maybe_pack(target_model, pack)
         if draft_model is not None:
             quantize_by_name(draft_model, quantize_draft)
+            maybe_pack(draft_model, pack)
         return cls(target_model, tokenizer, draft_model)
 
     # -- text <-> ids ----------------------------------------------------------------------------

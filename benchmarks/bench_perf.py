@@ -10,7 +10,8 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 * ``torch-int8-ar`` / ``-sd``, ``torch-int4-ar`` / ``-sd``  the same with :mod:`quickdraft.quant` weights
   (activations, norms and embeddings in ``--base-dtype``)
 * ``torch-fp32/int4-sd``  target float32 (untouched), draft int4 (``--quantize-draft int4``)
-* a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``
+* a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``; ``ngram`` /
+  ``ngramN``: prompt lookup (no draft model), n-grams of ``--ngram-min`` to 3 tokens
 
 ``x_own_ar`` divides by the plain decoding of the same *target* weights (``torch-fp32/int4-sd`` is
 compared with ``torch-fp32-ar``).
@@ -58,9 +59,9 @@ WEIGHTS = {
 def parse_config(config: str) -> tuple[str, str, int | None]:
     """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8)."""
     key, method = config.rsplit("-", 1)
-    m = re.fullmatch(r"(ar|sd)(\d*)", method)
+    m = re.fullmatch(r"(ar|sd|ngram)(\d*)", method)
     if m is None:
-        raise SystemExit(f"unknown method in config {config!r}: ar, sd or sdN")
+        raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, ngram or ngramN")
     return key, m.group(1), int(m.group(2)) if m.group(2) else None
 
 
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
         key, method, k = parse_config(config)
         pipe = pipes[key]
         out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(k or args.k), sampling=sampling,
-                            max_new_tokens=max_new, seed=seed)
+                            max_new_tokens=max_new, seed=seed, ngram=(args.ngram_min, 3))
         m = out.metrics
         return {
             "new_tokens": m.new_tokens, "seconds": m.prefill_seconds + m.decode_seconds,
@@ -254,7 +255,7 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
             entry = {"tokens_per_second": tps(config), "new_tokens": sum(r["new_tokens"] for r in sel)}
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
-            if parse_config(config)[1] == "sd":
+            if config != "llamacpp-anchor" and parse_config(config)[1] in ("sd", "ngram"):
                 ar = own_ar(config)
                 if ar in configs:
                     entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)
@@ -298,6 +299,18 @@ def _loadavg() -> tuple[float, float, float]:
         return (float("nan"),) * 3
 
 
+def finalize_partial(path: str) -> dict:
+    """The result of a run cut off after its rows (e.g. by a crash in the summary): summary from the
+    partial file's rows; memory figures are absent (they are taken at the end of a run)."""
+    partial = json.loads(Path(path).with_suffix(".partial.json").read_text())
+    rows = partial["rows"]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    temperatures = list(dict.fromkeys(r["temperature"] for r in rows))
+    partial["summary"] = summarize(rows, configs, temperatures)
+    partial["finalized_from_partial"] = True
+    return partial
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=4)
@@ -305,6 +318,7 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram the ngram method matches")
     parser.add_argument("--base-dtype", default="auto",
                         help="dtype of the activations, norms and embeddings of int8/int4 models (auto: bf16 only "
                         "where the CPU computes in it natively, else float32)")
@@ -312,9 +326,11 @@ def main() -> None:
     parser.add_argument("--skip-bandwidth", action="store_true")
     parser.add_argument("--skip-forward-costs", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/perf.json")
+    parser.add_argument("--finalize", action="store_true",
+                        help="only rebuild --out from its .partial.json (a run that stopped after its rows)")
     args = parser.parse_args()
     args.argv = sys.argv[1:]
-    result = run(args)
+    result = finalize_partial(args.out) if args.finalize else run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     Path(args.out).with_suffix(".partial.json").unlink(missing_ok=True)

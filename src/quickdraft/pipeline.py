@@ -165,9 +165,9 @@ class Pipeline:
                 ids.add(int(vocab[token]))
         return ids
 
-    def drafter_for(self, method: str, ngram_max: int = 3):
+    def drafter_for(self, method: str, ngram_max: int = 3, ngram_min: int = 1):
         if method == "ngram":
-            return NGramDrafter(self.vocab_size, max_ngram=ngram_max)
+            return NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min)
         if method == "ar":
             return None
         if self.draft is None:
@@ -192,8 +192,13 @@ class Pipeline:
         prompt_ids: list[list[int]] | None = None,
         tree=None,
         verifier: str = "rrs",
+        ngram: tuple[int, int] = (1, 3),
     ) -> PipelineOutput:
-        """Generate a completion for every prompt (one real batch through the models)."""
+        """Generate a completion for every prompt (one real batch through the models).
+
+        ``ngram`` = (shortest, longest) n-gram the ``ngram`` method matches: a longer shortest n-gram
+        drafts less often and more accurately, for backends whose verification cost grows with K.
+        """
         ids = prompt_ids if prompt_ids is not None else [self.encode(p, chat) for p in prompts]
         printed = [0] * len(ids)
         texts: list[str] = [""] * len(ids)
@@ -240,7 +245,7 @@ class Pipeline:
                 self.target,
                 ids,
                 method=method,
-                drafter=self.drafter_for(method),
+                drafter=self.drafter_for(method, ngram_max=ngram[1], ngram_min=ngram[0]),
                 rule=rule,
                 policy=policy or Constant(k),
                 sampling=sampling,

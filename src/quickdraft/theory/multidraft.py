@@ -241,13 +241,18 @@ def _greedy_top(q: np.ndarray, n: int) -> np.ndarray:
     return top[np.argsort(-q[top], kind="stable")]  # same as np.argsort(-q, kind="stable")[:k]
 
 
-def _alpha_greedy_dual(p: np.ndarray, q: np.ndarray, n: int) -> float:
-    r"""Dual of the greedy scheme: :math:`1 - \max(0, \sum_{x \notin G} (q'(x) - p(x))^+ - p(G))`."""
+def _greedy_split(p: np.ndarray, q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """The greedy scheme's partition: the deterministic drafts ``G`` (:func:`_greedy_top`), the mask
+    ``in_top`` of ``G``, the target mass :math:`p(G)` and the draft mass left for the sampled draft."""
     top = _greedy_top(q, n)
     in_top = np.zeros(q.shape[0], dtype=bool)
     in_top[top] = True
-    rest_mass = q[~in_top].sum()
-    p_top = p[in_top].sum()
+    return top, in_top, float(p[in_top].sum()), float(q[~in_top].sum())
+
+
+def _alpha_greedy_dual(p: np.ndarray, q: np.ndarray, n: int) -> float:
+    r"""Dual of the greedy scheme: :math:`1 - \max(0, \sum_{x \notin G} (q'(x) - p(x))^+ - p(G))`."""
+    _, in_top, p_top, rest_mass = _greedy_split(p, q, n)
     if rest_mass <= 0:
         # no sampled draft: the drafts are exactly G, all in A iff G subset of A
         return float(min(1.0, p_top))
@@ -345,11 +350,8 @@ def greedy_optimal_plan(target_probs, draft_probs, num_drafts: int) -> GreedyPla
     """Build the :class:`GreedyPlan` (optimal verifier for ``sampling="greedy"``)."""
     p, q = _validate.pair(target_probs, draft_probs)
     n = _validate.num_drafts(num_drafts)
-    top = _greedy_top(q, n).astype(np.int64)
-    in_top = np.zeros(q.shape[0], dtype=bool)
-    in_top[top] = True
-    rest_mass = q[~in_top].sum()
-    p_top = float(p[in_top].sum())
+    top, in_top, p_top, rest_mass = _greedy_split(p, q, n)
+    top = top.astype(np.int64)
     if rest_mass <= 0:
         zeros = np.zeros_like(q)
         residual = np.where(in_top, p, 0.0)
@@ -440,11 +442,7 @@ def _rrs_wr_reject_all(prof: RatioProfile, n: int) -> float:
 
 def _greedy_optimal_rate(p: np.ndarray, q: np.ndarray, n: int) -> float:
     r"""Rate of the optimal greedy verifier, :math:`p(G) + \sum_{x \notin G} \min(p(x), q'(x))` (no plan arrays)."""
-    top = _greedy_top(q, n)
-    in_top = np.zeros(q.shape[0], dtype=bool)
-    in_top[top] = True
-    p_top = float(p[in_top].sum())
-    rest_mass = float(q[~in_top].sum())
+    _, in_top, p_top, rest_mass = _greedy_split(p, q, n)
     if rest_mass <= 0:
         return float(min(1.0, p_top))
     rate = p_top + float(np.minimum(p[~in_top], q[~in_top] / rest_mass).sum())
@@ -529,11 +527,7 @@ def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: st
 
 def _rrs_greedy_rate(p: np.ndarray, q: np.ndarray, n: int) -> float:
     """RRS over greedy drafts, top tokens as point masses (see :func:`verifier_acceptance`)."""
-    top = _greedy_top(q, n)
-    in_top = np.zeros(q.shape[0], dtype=bool)
-    in_top[top] = True
-    p_top = float(p[in_top].sum())
-    rest_mass = float(q[~in_top].sum())
+    _, in_top, p_top, rest_mass = _greedy_split(p, q, n)
     if rest_mass <= 0:
         return float(min(1.0, p_top))
     q_rest = q[~in_top] / rest_mass

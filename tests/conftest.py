@@ -51,6 +51,41 @@ def tiny_draft(tiny_target) -> Qwen2ForCausalLM:
     return perturbed_copy(tiny_target, scale=0.3, seed=1)
 
 
+def word_tokenizer():
+    """A fast tokenizer over the tiny models' vocabulary: word ``w<i>`` is token ``i``, split on
+    whitespace; ``w63`` is the end-of-sequence token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(TINY_VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
+
+
+class RecodedPipe:
+    """A pipeline whose ``encode`` is replaced by ``encode(prompt) -> ids``; all else delegates."""
+
+    def __init__(self, pipe, encode):
+        self._pipe = pipe
+        self._encode = encode
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+    def encode(self, prompt, chat=None):
+        return self._encode(prompt)
+
+
+@pytest.fixture(scope="session")
+def soft_target() -> Qwen2ForCausalLM:
+    """A tiny target with a moderately peaked output (sampling at T = 0.7–0.8 is not near-greedy;
+    :func:`tiny_target` is sharpened 8x)."""
+    model = tiny_lm(seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    return model
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny tensor ops: with two threads on the shared 2-core

@@ -7,8 +7,6 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from quickdraft.bench import (
     prompt_seed,
@@ -28,7 +26,7 @@ from quickdraft.datasets import Prompt
 from quickdraft.errors import QuickdraftError
 from quickdraft.pipeline import Pipeline
 
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, RecodedPipe, word_tokenizer
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,11 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def pipe(tiny_target, tiny_draft):
-    vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
-    return Pipeline(tiny_target, tokenizer, tiny_draft)
+    return Pipeline(tiny_target, word_tokenizer(), tiny_draft)
 
 
 def _prompts(n: int) -> list[Prompt]:
@@ -57,17 +51,9 @@ def _prompts(n: int) -> list[Prompt]:
     return out
 
 
-class _RawIdsPipe:
-    """Wraps the tiny pipeline so that prompts encode to word ids, whatever their raw text."""
-
-    def __init__(self, pipe):
-        self._pipe = pipe
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
-
-    def encode(self, prompt, chat=None):
-        return [1 + (sum(map(ord, prompt)) + i) % 50 for i in range(5)]
+def _raw_ids_pipe(pipe) -> RecodedPipe:
+    """The tiny pipeline with prompts encoding to word ids, whatever their raw text."""
+    return RecodedPipe(pipe, lambda prompt: [1 + (sum(map(ord, prompt)) + i) % 50 for i in range(5)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,7 +127,7 @@ ENTRIES = "ar,sd:k=3,fsd:divergence=js,threshold=0.4,hf-ar"
 
 def test_run_writes_schema_interleaves_and_resumes(pipe, tmp_path):
     prompts = _prompts(3)
-    wrapped = _RawIdsPipe(pipe)
+    wrapped = _raw_ids_pipe(pipe)
     config = BenchConfig(entries=parse_entries(ENTRIES), limit=3, temperatures=[0.0, 1.0], max_new_tokens=12,
                          warmup_tokens=2, sandbox_workers=2)
     out = tmp_path / "run"
@@ -212,7 +198,7 @@ def test_run_writes_schema_interleaves_and_resumes(pipe, tmp_path):
 
 
 def test_resume_refuses_a_different_setting(pipe, tmp_path):
-    wrapped = _RawIdsPipe(pipe)
+    wrapped = _raw_ids_pipe(pipe)
     prompts = _prompts(1)
     config = BenchConfig(entries=parse_entries("ar"), max_new_tokens=4, warmup_tokens=0, fidelity=False)
     run_bench(wrapped, prompts, config, tmp_path, progress=False, log=lambda m: None)
@@ -242,6 +228,6 @@ def test_unavailable_anchor_is_skipped_with_one_line(pipe, tmp_path):
     assert why is not None and why.startswith("llamacpp: skipped (") and "\n" not in why
     lines = []
     config = BenchConfig(entries=parse_entries("ar,llamacpp"), max_new_tokens=3, warmup_tokens=0, fidelity=False)
-    meta = run_bench(_RawIdsPipe(pipe), _prompts(1), config, tmp_path, progress=False, log=lines.append)
+    meta = run_bench(_raw_ids_pipe(pipe), _prompts(1), config, tmp_path, progress=False, log=lines.append)
     assert meta["entries"] == ["ar"] and lines[0] == why
     assert meta["sessions"][0]["skipped"] == [why]

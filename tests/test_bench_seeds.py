@@ -12,15 +12,13 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from quickdraft.bench import BenchConfig, load_records, parse_entries, prompt_seed, run_bench
 from quickdraft.datasets import Prompt
 from quickdraft.errors import QuickdraftError
 from quickdraft.pipeline import Pipeline
 
-from conftest import TINY_VOCAB
+from conftest import RecodedPipe, word_tokenizer
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,31 +37,15 @@ def test_prompt_seed_is_a_stable_hash_of_seed_and_prompt_id():
         prompt_seed(1.5, "HumanEval/0")
 
 
-class _SameIdsPipe:
-    """The tiny pipeline, with every prompt encoding to the same token ids."""
-
-    def __init__(self, pipe):
-        self._pipe = pipe
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
-
-    def encode(self, prompt, chat=None):
-        return [5, 9, 14, 3, 22]
-
-
 @pytest.fixture(scope="module")
 def same_ids_pipe(tiny_target, tiny_draft):
-    vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
     # a flatter target than conftest's (its lm_head is sharpened 8x): sampling is not near-greedy
     target = type(tiny_target)(tiny_target.config).eval()
     target.load_state_dict(tiny_target.state_dict())
     with torch.no_grad():
         target.lm_head.weight.div_(4.0)
-    return _SameIdsPipe(Pipeline(target, tokenizer, tiny_draft))
+    # every prompt encodes to the same token ids
+    return RecodedPipe(Pipeline(target, word_tokenizer(), tiny_draft), lambda prompt: [5, 9, 14, 3, 22])
 
 
 def _prompts(n: int) -> list[Prompt]:

@@ -72,16 +72,11 @@ def test_generate_json_on_the_default_pair(real_models, method):
 @pytest.fixture
 def tiny_pipeline(monkeypatch, tiny_target, tiny_draft):
     """``Pipeline.from_specs`` patched to return the conftest tiny pair with a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    from conftest import TINY_VOCAB
+    from conftest import word_tokenizer
     from quickdraft.pipeline import Pipeline
 
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(TINY_VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
-    pipe = Pipeline(tiny_target, tokenizer, tiny_draft)
+    pipe = Pipeline(tiny_target, word_tokenizer(), tiny_draft)
     monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *args, **kwargs: pipe))
     return pipe
 

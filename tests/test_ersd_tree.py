@@ -210,14 +210,6 @@ def test_three_candidates_accept_at_least_one_candidate_on_the_same_noise():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def soft_target():
-    """A tiny target with a moderately peaked output (sampling at T = 0.8 is not near-greedy)."""
-    model = tiny_lm(seed=0)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    return model
-
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=20, top_p=0.9)],
                          ids=["T0.8", "top"])

@@ -35,7 +35,7 @@ from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams
 from quickdraft.trainprompts import overlap_report, training_prompts
 
-from conftest import TINY_VOCAB, tiny_lm
+from conftest import TINY_VOCAB, tiny_lm, word_tokenizer
 
 
 def test_save_load_round_trip_and_metadata(tmp_path, tiny_draft):
@@ -298,18 +298,13 @@ def test_train_head_command_end_to_end_and_head_mismatch(tmp_path, monkeypatch, 
     specdecpp`` (greedy output = plain decoding), and a head for another draft is refused."""
     import json
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from typer.testing import CliRunner
 
     from quickdraft import headtrain
     from quickdraft.cli import app
     from quickdraft.pipeline import Pipeline
 
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(TINY_VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
-    pipe = Pipeline(tiny_target, tokenizer, tiny_draft)
+    pipe = Pipeline(tiny_target, word_tokenizer(), tiny_draft)
     monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *args, **kwargs: pipe))
     monkeypatch.setattr(headtrain, "specdecpp_cache_dir", lambda: tmp_path / "cache")
     words = [" ".join(f"w{(7 * i + j) % 60 + 1}" for j in range(3 + i % 4)) for i in range(10)]

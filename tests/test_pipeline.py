@@ -4,22 +4,17 @@ batching, chat-template errors."""
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.pipeline import Pipeline
 from quickdraft.sampling import SamplingParams
 
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w63", unk_token="w0")
+    return word_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -35,14 +35,6 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def soft_target():
-    """A tiny target whose T = 0.7 samples are not near-greedy (conftest's is sharpened 8x)."""
-    model = tiny_lm(seed=0)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    return model
-
 
 def _drafter(model) -> ModelDrafter:
     return ModelDrafter(ModelRunner(model, "draft"), TINY_VOCAB)

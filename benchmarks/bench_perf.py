@@ -59,9 +59,11 @@ WEIGHTS = {
 def parse_config(config: str) -> tuple[str, str, int | None]:
     """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8)."""
     key, method = config.rsplit("-", 1)
-    m = re.fullmatch(r"(ar|sd|ngram)(\d*)", method)
+    m = re.fullmatch(r"(ar|sd|ngram)(\d*)|anchor", method)
     if m is None:
-        raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, ngram or ngramN")
+        raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, ngram, ngramN or anchor")
+    if method == "anchor":
+        return key, "anchor", None
     return key, m.group(1), int(m.group(2)) if m.group(2) else None
 
 
@@ -255,7 +257,7 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
             entry = {"tokens_per_second": tps(config), "new_tokens": sum(r["new_tokens"] for r in sel)}
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
-            if config != "llamacpp-anchor" and parse_config(config)[1] in ("sd", "ngram"):
+            if parse_config(config)[1] in ("sd", "ngram"):
                 ar = own_ar(config)
                 if ar in configs:
                     entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)

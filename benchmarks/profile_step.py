@@ -16,55 +16,29 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
+from bench_tree import ForwardClock  # the same forward timers as the tree benchmark (same folder)
 
 from quickdraft.datasets import load_humaneval
 from quickdraft.policies import Constant
 from quickdraft.sampling import SamplingParams
 
 
-class Timed:
-    """Records the wall time of every call of a runner's forward methods."""
-
-    def __init__(self, runner) -> None:
-        self.times: list[float] = []
-        for name in ("forward", "forward_tree"):
-            if hasattr(runner, name):
-                setattr(runner, name, self._wrap(getattr(runner, name)))
-
-    def _wrap(self, fn):
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.times.append(time.perf_counter() - t)
-
-        return timed
-
-    def take_decode(self) -> tuple[float, int]:
-        """Seconds and number of the calls since the last ``take_decode``, the first one (the
-        prompt's prefill, timed apart by the engine) excluded."""
-        times, self.times = self.times[1:], []
-        return sum(times), len(times)
-
-
 def profile(weights: str, prompts: list[list[int]], pipe, k: int, max_new: int) -> list[dict]:
-    target, draft = Timed(pipe.target), Timed(pipe.draft)
+    target, draft = ForwardClock(pipe.target), ForwardClock(pipe.draft)  # prefill (first forward) excluded
     rows = []
     for method in ("ar", "sd"):
         pipe.generate([""], prompt_ids=[prompts[0]], method=method, policy=Constant(k), max_new_tokens=4)  # warm-up
         totals = dict(decode=0.0, target=0.0, draft=0.0, target_calls=0, draft_calls=0, tokens=0)
         for ids in prompts:
-            target.take_decode(), draft.take_decode()
+            target.take(), draft.take()
             out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(k),
                                 sampling=SamplingParams(), max_new_tokens=max_new, seed=0)
             m = out.metrics
-            t_sec, t_calls = target.take_decode()
-            d_sec, d_calls = draft.take_decode()
+            t_sec, t_calls = target.take()
+            d_sec, d_calls = draft.take()
             totals["decode"] += m.decode_seconds
             totals["target"] += t_sec
             totals["draft"] += d_sec

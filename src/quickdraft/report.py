@@ -444,6 +444,16 @@ def update_readme(readme: str | os.PathLike[str], run_dirs: list[str | os.PathLi
     return section
 
 
+def _weights_note(models: dict) -> str:
+    """``"auto"`` or e.g. ``"auto; draft int4"``: the dtype and any weight-only quantisation."""
+    note = str(models.get("dtype"))
+    if models.get("quantize"):
+        note += f"; target {models['quantize']}"
+    if models.get("quantize_draft"):
+        note += f"; draft {models['quantize_draft']}"
+    return note
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Re-write reports of benchmark runs and the README results section.")
     parser.add_argument("runs", nargs="+", help="run directories (with run.json)")
@@ -460,13 +470,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     main()
-
-
-def _weights_note(models: dict) -> str:
-    """``"auto"`` or e.g. ``"auto; draft int4"``: the dtype and any weight-only quantisation."""
-    note = str(models.get("dtype"))
-    if models.get("quantize"):
-        note += f"; target {models['quantize']}"
-    if models.get("quantize_draft"):
-        note += f"; draft {models['quantize_draft']}"
-    return note

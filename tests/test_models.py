@@ -367,6 +367,30 @@ def test_resolve_dtype(monkeypatch):
         qm.resolve_dtype("float16")
 
 
+def test_resolve_draft_dtype_follows_dtype_except_auto_on_cpu(monkeypatch):
+    monkeypatch.setattr(qm, "_cpu_has_native_bf16", lambda: False)
+    # auto: the target gets fp32 on this CPU, the draft bf16 (its one-row matmuls read half the bytes)
+    assert qm.resolve_draft_dtype(None, "auto") is torch.bfloat16
+    assert qm.resolve_draft_dtype(None, "float32") is torch.float32
+    assert qm.resolve_draft_dtype(None, "bfloat16") is torch.bfloat16
+    assert qm.resolve_draft_dtype("float32", "auto") is torch.float32
+    assert qm.resolve_draft_dtype("auto", "float32") is torch.float32
+    with pytest.raises(QuickdraftError, match="dtype must be"):
+        qm.resolve_draft_dtype("int8", "auto")
+
+
+def test_from_specs_loads_the_draft_in_its_own_dtype(tiny_checkpoint):
+    from quickdraft.pipeline import Pipeline
+
+    pipe = Pipeline.from_specs(str(tiny_checkpoint), str(tiny_checkpoint), dtype="float32", draft_dtype="bfloat16")
+    assert next(pipe.target_model.parameters()).dtype == torch.float32
+    assert next(pipe.draft_model.parameters()).dtype == torch.bfloat16
+    ids = [[1, 2, 3, 4]]
+    plain = pipe.generate([""], prompt_ids=ids, method="ar", max_new_tokens=12)
+    spec = pipe.generate([""], prompt_ids=ids, method="sd", max_new_tokens=12)
+    assert spec.completions[0].token_ids == plain.completions[0].token_ids  # the target decides
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -330,7 +330,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     known = {
         "title", "description", "dataset", "limit", "temperature", "temperatures", "seed", "max_new_tokens",
         "methods", "anchors", "sweep", "baseline", "warmup_tokens", "fidelity", "sandbox_workers",
-        "target", "draft", "dtype", "threads", "quantize", "quantize_draft",
+        "target", "draft", "dtype", "draft_dtype", "threads", "quantize", "quantize_draft",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -628,15 +628,23 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None) -> dict:
-    """The models of a run as recorded in ``run.json`` (quantisation only when used, so that runs
-    made before it existed still resume)."""
+def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None,
+                 draft_dtype: str | None = None) -> dict:
+    """The models of a run as recorded in ``run.json``: quantisation only when used, so that runs
+    made before it existed still resume; ``draft_dtype`` is the dtype the draft was loaded in."""
     meta: dict[str, Any] = {"target": target, "draft": draft, "dtype": dtype}
+    if draft is not None and draft_dtype is not None:
+        meta["draft_dtype"] = draft_dtype
     if quantize != "none":
         meta["quantize"] = quantize
     if draft is not None and (quantize_draft or quantize) != "none":
         meta["quantize_draft"] = quantize_draft or quantize
     return meta
+
+
+def _dtype_name(model) -> str | None:
+    param = next(model.parameters(), None) if model is not None else None
+    return None if param is None else str(param.dtype).removeprefix("torch.")
 
 
 def _check_same_run(existing: dict[str, Any], config: BenchConfig, models: dict[str, Any]) -> None:
@@ -853,6 +861,8 @@ def bench_command(
     target: Optional[str] = typer.Option(None, help="Target model (default: the registry's target)."),
     draft: Optional[str] = typer.Option(None, help="Draft model (default: the registry's draft)."),
     dtype: Optional[str] = typer.Option(None, help="auto, bfloat16 or float32."),
+    draft_dtype: Optional[str] = typer.Option(
+        None, "--draft-dtype", help="Draft dtype (default: as --dtype; with --dtype auto, bf16 on a CPU)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
     quantize: Optional[str] = typer.Option(None, help="none, int8 or int4 weight-only layers for both models."),
     quantize_draft: Optional[str] = typer.Option(
@@ -871,7 +881,8 @@ def bench_command(
         if anchors is not None:
             entries = [e for e in entries if not e.is_anchor] + parse_entries(anchors)
         model_fields = {
-            k: file_fields.pop(k, None) for k in ("target", "draft", "dtype", "threads", "quantize", "quantize_draft")
+            k: file_fields.pop(k, None)
+            for k in ("target", "draft", "dtype", "draft_dtype", "threads", "quantize", "quantize_draft")
         }
         cli = {
             "dataset": dataset, "limit": limit, "temperatures": list(temperature) if temperature else None,
@@ -886,6 +897,7 @@ def bench_command(
         threads = threads or model_fields["threads"]
         quantize = quantize or model_fields["quantize"] or "none"
         quantize_draft = quantize_draft or model_fields["quantize_draft"]
+        draft_dtype = draft_dtype or model_fields["draft_dtype"]
 
         from quickdraft.datasets import load_dataset
         from quickdraft.methods import build_method
@@ -903,14 +915,16 @@ def bench_command(
 
         t0 = time.perf_counter()
         pipe = Pipeline.from_specs(
-            target, draft_spec if needs_draft else None, dtype=dtype, quantize=quantize, quantize_draft=quantize_draft
+            target, draft_spec if needs_draft else None, dtype=dtype, quantize=quantize, quantize_draft=quantize_draft,
+            draft_dtype=draft_dtype,
         )
         load_seconds = time.perf_counter() - t0
         typer.echo(f"models loaded in {load_seconds:.1f} s (excluded from every rate)", err=True)
         command = "quickdraft bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else sys.argv[1:])
         meta = run_bench(
             pipe, prompts, cfg, out, command=command, model_load_seconds=load_seconds,
-            models=_models_meta(target, draft_spec if needs_draft else None, dtype, quantize, quantize_draft),
+            models=_models_meta(target, draft_spec if needs_draft else None, dtype, quantize, quantize_draft,
+                                draft_dtype=_dtype_name(pipe.draft_model)),
             progress=not no_progress, llamacpp_model=llamacpp_model,
         )
     except QuickdraftError as err:

@@ -50,6 +50,8 @@ def generate(
     target: str = typer.Option("target", help="Registry name, alias, HF model directory or .gguf file."),
     draft: str = typer.Option("draft", help="Registry name, alias, HF model directory or .gguf file."),
     dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
+    draft_dtype: Optional[str] = typer.Option(
+        None, "--draft-dtype", help="Draft dtype (default: as --dtype; with --dtype auto, bf16 on a CPU)."),
     backend: str = typer.Option("torch", help="torch, or llamacpp (runs the GGUF files; needs quickdraft[llamacpp])."),
     quantize: str = typer.Option("none", help="torch backend: none, int8 or int4 weight-only linear layers."),
     quantize_draft: Optional[str] = typer.Option(
@@ -93,7 +95,7 @@ def generate(
 
         pipe = Pipeline.from_specs(
             target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
-            quantize_draft=quantize_draft,
+            quantize_draft=quantize_draft, draft_dtype=draft_dtype,
         )
         acceptance_head = getattr(spec.policy, "head", None)
         if acceptance_head is not None and backend == "torch" and pipe.draft_model is not None:

@@ -72,7 +72,7 @@ class Pipeline:
     def from_specs(
         cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
         backend: str = "torch", quantize: str = "none", quantize_draft: str | None = None,
-        pack: bool | None = None,
+        pack: bool | None = None, draft_dtype: str | None = None,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
@@ -86,9 +86,12 @@ class Pipeline:
         left after quantisation on oneDNN with pre-packed weights (:mod:`quickdraft.packed`; default
         ``None``: where that is the fast path — fp32 on a CPU without native bf16), so that a
         verification forward over K + 1 tokens costs about as much as a one-token forward.
+        ``draft_dtype`` (``auto``, ``bfloat16``, ``float32``; default ``None``) is the draft's dtype:
+        ``None`` follows ``dtype``, except that ``dtype="auto"`` loads the draft in bf16 on a CPU,
+        where its one-token forwards read half the bytes (:func:`quickdraft.models.resolve_draft_dtype`).
         """
         from quickdraft.backends import BACKEND_NAMES
-        from quickdraft.models import check_compatible, load_model
+        from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
         from quickdraft.quant import QUANTIZE_NAMES, quantize_by_name
 
         if backend not in BACKEND_NAMES:
@@ -115,7 +118,8 @@ class Pipeline:
         target_model, tokenizer = load_model(target, dtype=dtype)
         draft_model = None
         if draft is not None:
-            draft_model, draft_tokenizer = load_model(draft, dtype=dtype)
+            draft_torch_dtype = resolve_draft_dtype(draft_dtype, dtype)
+            draft_model, draft_tokenizer = load_model(draft, dtype=str(draft_torch_dtype).removeprefix("torch."))
             check_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
         from quickdraft.packed import maybe_pack
 

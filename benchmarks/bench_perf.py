@@ -11,7 +11,8 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
   (activations, norms and embeddings in ``--base-dtype``)
 * ``torch-fp32/int4-sd``  target float32 (untouched), draft int4 (``--quantize-draft int4``)
 * a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``; ``ngram`` /
-  ``ngramN``: prompt lookup (no draft model), n-grams of ``--ngram-min`` to 3 tokens
+  ``ngramN``: prompt lookup (no draft model), n-grams of ``--ngram-min`` to 3 tokens; ``ngram_sd`` /
+  ``ngram_sdN``: prompt lookup (2-4-grams, ``--lookup-k`` tokens) where it matches, else the draft model
 
 ``x_own_ar`` divides by the plain decoding of the same *target* weights (``torch-fp32/int4-sd`` is
 compared with ``torch-fp32-ar``).
@@ -59,9 +60,9 @@ WEIGHTS = {
 def parse_config(config: str) -> tuple[str, str, int | None]:
     """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8)."""
     key, method = config.rsplit("-", 1)
-    m = re.fullmatch(r"(ar|sd|ngram)(\d*)|anchor", method)
+    m = re.fullmatch(r"(ar|sd|ngram_sd|ngram)(\d*)|anchor", method)
     if m is None:
-        raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, ngram, ngramN or anchor")
+        raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, ngram, ngramN, ngram_sd, ngram_sdN or anchor")
     if method == "anchor":
         return key, "anchor", None
     return key, m.group(1), int(m.group(2)) if m.group(2) else None
@@ -205,7 +206,8 @@ def run(args: argparse.Namespace) -> dict:
         key, method, k = parse_config(config)
         pipe = pipes[key]
         out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(k or args.k), sampling=sampling,
-                            max_new_tokens=max_new, seed=seed, ngram=(args.ngram_min, 3))
+                            max_new_tokens=max_new, seed=seed,
+                            ngram=(args.ngram_min, 3) if method == "ngram" else None, lookup_k=args.lookup_k)
         m = out.metrics
         return {
             "new_tokens": m.new_tokens, "seconds": m.prefill_seconds + m.decode_seconds,
@@ -245,19 +247,29 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -> dict:
+    """Per config and temperature: tokens/s over the prompts that *every* config completed at that
+    temperature (a run stopped midway compares like with like), ratios and acceptance."""
     summary = {}
     for temperature in temperatures:
+        at_t = [r for r in rows if r["temperature"] == temperature]
+        complete = [p for p in dict.fromkeys(r["prompt"] for r in at_t)
+                    if all(any(r["config"] == c and r["prompt"] == p for r in at_t) for c in configs)]
+        if not complete:
+            continue
+        rows_t = [r for r in at_t if r["prompt"] in complete]
+
         def tps(config: str) -> float:
-            sel = [r for r in rows if r["config"] == config and r["temperature"] == temperature]
+            sel = [r for r in rows_t if r["config"] == config]
             return sum(r["new_tokens"] for r in sel) / sum(r["seconds"] for r in sel)
 
         anchor = tps("llamacpp-anchor") if "llamacpp-anchor" in configs else None
         for config in configs:
-            sel = [r for r in rows if r["config"] == config and r["temperature"] == temperature]
-            entry = {"tokens_per_second": tps(config), "new_tokens": sum(r["new_tokens"] for r in sel)}
+            sel = [r for r in rows_t if r["config"] == config]
+            entry = {"tokens_per_second": tps(config), "new_tokens": sum(r["new_tokens"] for r in sel),
+                     "prompts": len(complete)}
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
-            if parse_config(config)[1] in ("sd", "ngram"):
+            if parse_config(config)[1] in ("sd", "ngram", "ngram_sd"):
                 ar = own_ar(config)
                 if ar in configs:
                     entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)
@@ -265,7 +277,7 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                     sum(r["new_tokens"] for r in sel) / sum(max(1, r["target_forwards"] - 1) for r in sel)
                 )
                 if temperature == 0.0 and ar in configs:
-                    own = {r["prompt"]: r["new_ids"] for r in rows if r["config"] == ar and r["temperature"] == 0.0}
+                    own = {r["prompt"]: r["new_ids"] for r in rows_t if r["config"] == ar}
                     entry["identical_to_own_ar"] = f"{sum(r['new_ids'] == own[r['prompt']] for r in sel)}/{len(sel)}"
             summary[f"{config}@T={temperature}"] = entry
     return summary
@@ -321,6 +333,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram the ngram method matches")
+    parser.add_argument("--lookup-k", type=int, default=8, help="tokens an ngram_sd lookup step copies")
     parser.add_argument("--base-dtype", default="auto",
                         help="dtype of the activations, norms and embeddings of int8/int4 models (auto: bf16 only "
                         "where the CPU computes in it natively, else float32)")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.drafters import ModelDrafter, NGramDrafter
+from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
 from quickdraft.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.policies import Constant
@@ -77,6 +77,54 @@ def test_ngram_drafter_greedy_equals_plain_greedy(tiny_target, rule):
                      policy=Constant(4), max_new_tokens=40)
     assert ngram.sequences == plain.sequences
     assert ngram.batch_metrics.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("rule", [Greedy(), Lossless()])
+def test_ngram_sd_greedy_equals_plain_greedy_and_uses_both_drafters(tiny_target, tiny_draft, rule):
+    target = ModelRunner(tiny_target)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 9, 9, 9], [1, 2]]
+    plain = generate(target, prompts, method="ar", max_new_tokens=40)
+    for batch in (prompts[:1], prompts):
+        drafter = NGramModelDrafter(NGramDrafter(TINY_VOCAB, max_ngram=3, min_ngram=2),
+                                    ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB), lookup_k=6)
+        out = generate(target, batch, method="ngram_sd", drafter=drafter, rule=rule, policy=Constant(3),
+                       max_new_tokens=40)
+        assert out.sequences == plain.sequences[: len(batch)]
+        assert drafter.lookup_steps > 0, "the repetitive prompts should be looked up"
+        assert out.batch_metrics.draft_forwards > 0, "steps without a match should use the draft model"
+        assert out.batch_metrics.steps > drafter.lookup_steps
+
+
+def test_ngram_sd_sampling_matches_the_target(tiny_target):
+    """Lookup steps (one-hot drafts) and model steps mixed in one batch keep the target's exact
+    two-token law (the first step is a lookup for every row: the prompt ends with a repeated
+    bigram); accepting every draft instead must fail the same test."""
+    params = SamplingParams(temperature=1.0)
+    prompt = [1, 2, 3, 1, 2]
+    exact = _exact_two_token_distribution(tiny_target, prompt, params)
+    n = 40_000
+    target = ModelRunner(tiny_target)
+
+    def run(rule):
+        drafter = NGramModelDrafter(NGramDrafter(TINY_VOCAB, max_ngram=2, min_ngram=2),
+                                    ModelDrafter(ModelRunner(tiny_lm(seed=7)), TINY_VOCAB), lookup_k=3)
+        out = generate(target, [prompt] * n, method="ngram_sd", drafter=drafter, rule=rule, policy=Constant(3),
+                       sampling=params, max_new_tokens=2, seed=13)
+        assert drafter.lookup_steps >= 1
+        return _two_token_counts(out.sequences)
+
+    assert _chi_square_pvalue(run(Lossless()), exact) > 1e-4
+
+    class AcceptAll(Lossless):
+        def accept(self, draft_ids, draft_probs, target_probs, ctx):
+            return torch.ones_like(draft_ids, dtype=torch.bool), None
+
+    assert _chi_square_pvalue(run(AcceptAll()), exact) < 1e-6
+
+
+def test_ngram_sd_rejects_a_bad_lookup_length(tiny_draft):
+    with pytest.raises(QuickdraftError, match="lookup_k"):
+        NGramModelDrafter(NGramDrafter(TINY_VOCAB), ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB), lookup_k=0)
 
 
 def test_ngram_lookup_copies_the_latest_continuation():

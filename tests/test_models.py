@@ -367,14 +367,12 @@ def test_resolve_dtype(monkeypatch):
         qm.resolve_dtype("float16")
 
 
-def test_resolve_draft_dtype_follows_dtype_except_auto_on_cpu(monkeypatch):
+def test_resolve_draft_dtype_follows_dtype_unless_given(monkeypatch):
     monkeypatch.setattr(qm, "_cpu_has_native_bf16", lambda: False)
-    # auto: the target gets fp32 on this CPU, the draft bf16 (its one-row matmuls read half the bytes)
-    assert qm.resolve_draft_dtype(None, "auto") is torch.bfloat16
-    assert qm.resolve_draft_dtype(None, "float32") is torch.float32
+    assert qm.resolve_draft_dtype(None, "auto") is torch.float32
     assert qm.resolve_draft_dtype(None, "bfloat16") is torch.bfloat16
-    assert qm.resolve_draft_dtype("float32", "auto") is torch.float32
-    assert qm.resolve_draft_dtype("auto", "float32") is torch.float32
+    assert qm.resolve_draft_dtype("bfloat16", "auto") is torch.bfloat16
+    assert qm.resolve_draft_dtype("float32", "bfloat16") is torch.float32
     with pytest.raises(QuickdraftError, match="dtype must be"):
         qm.resolve_draft_dtype("int8", "auto")
 

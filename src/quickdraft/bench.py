@@ -862,7 +862,7 @@ def bench_command(
     draft: Optional[str] = typer.Option(None, help="Draft model (default: the registry's draft)."),
     dtype: Optional[str] = typer.Option(None, help="auto, bfloat16 or float32."),
     draft_dtype: Optional[str] = typer.Option(
-        None, "--draft-dtype", help="Draft dtype (default: as --dtype; with --dtype auto, bf16 on a CPU)."),
+        None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
     quantize: Optional[str] = typer.Option(None, help="none, int8 or int4 weight-only layers for both models."),
     quantize_draft: Optional[str] = typer.Option(

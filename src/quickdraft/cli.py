@@ -51,7 +51,7 @@ def generate(
     draft: str = typer.Option("draft", help="Registry name, alias, HF model directory or .gguf file."),
     dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
     draft_dtype: Optional[str] = typer.Option(
-        None, "--draft-dtype", help="Draft dtype (default: as --dtype; with --dtype auto, bf16 on a CPU)."),
+        None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     backend: str = typer.Option("torch", help="torch, or llamacpp (runs the GGUF files; needs quickdraft[llamacpp])."),
     quantize: str = typer.Option("none", help="torch backend: none, int8 or int4 weight-only linear layers."),
     quantize_draft: Optional[str] = typer.Option(

@@ -55,6 +55,22 @@ def pending_block(sequences: list[list[int]], lengths: torch.Tensor, pad_id: int
     return ids, valid
 
 
+def one_hot_draft(found: list[list[int]], vocab_size: int, rule: Rule) -> Draft:
+    """The :class:`Draft` of copied tokens ``found`` (one list per row, possibly empty): right-padded
+    ids and one-hot distributions, the distributions the copies were "drawn" from."""
+    k = max(len(f) for f in found)
+    b = len(found)
+    ids = torch.zeros((b, k), dtype=torch.long)
+    for row, f in enumerate(found):
+        if f:
+            ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
+    probs = torch.zeros((b, k, vocab_size))
+    probs.scatter_(-1, ids.unsqueeze(-1), 1.0)
+    lengths = torch.tensor([len(f) for f in found], dtype=torch.long)
+    raw = probs if getattr(rule, "needs_raw", False) else None
+    return Draft(ids=ids, probs=probs, lengths=lengths, raw_probs=raw, forwards=0)
+
+
 class ModelDrafter:
     """Draft with a smaller causal LM, one forward per draft token, through the rule's ``propose``."""
 
@@ -157,17 +173,56 @@ class NGramDrafter:
     def propose(self, sequences, policy, rule, sampling, ctx, active) -> Draft:
         max_k = policy.begin_step()
         found = [self.lookup(seq, max_k) if act else [] for seq, act in zip(sequences, active.tolist())]
-        k = max(len(f) for f in found)
-        b = len(sequences)
-        ids = torch.zeros((b, k), dtype=torch.long)
-        for row, f in enumerate(found):
-            if f:
-                ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
-        probs = torch.zeros((b, k, self.vocab_size))
-        probs.scatter_(-1, ids.unsqueeze(-1), 1.0)
-        lengths = torch.tensor([len(f) for f in found], dtype=torch.long)
-        raw = probs if getattr(rule, "needs_raw", False) else None
-        return Draft(ids=ids, probs=probs, lengths=lengths, raw_probs=raw, forwards=0)
+        return one_hot_draft(found, self.vocab_size, rule)
 
     def commit(self, sequences, valid_prefix) -> None:
         return None
+
+
+class NGramModelDrafter:
+    """Prompt lookup first, the draft model where the lookup finds nothing (method ``ngram_sd``).
+
+    A step drafts up to ``lookup_k`` copied tokens when every active row's last n-gram (at least
+    ``lookup.min_ngram`` tokens) occurred earlier in its sequence, and drafts with the model
+    (``policy``'s length) otherwise. A lookup step costs no draft forward, so where the text repeats
+    itself (code restating its prompt, edits, quotations) a step costs one target forward alone, and
+    a longer lookup costs little more where verification cost is flat in the block length
+    (``docs/performance.md``); elsewhere it is ordinary speculative decoding. The draft model skips
+    the looked-up steps and feeds the tokens it missed in one block at its next step (its KV cache
+    is always a prefix of the sequence).
+
+    Which drafter runs depends only on the sequence so far, and each step's draft distributions
+    are the ones its tokens were drawn from (one-hot for copied tokens), so every lossless rule
+    stays exactly target-distributed.
+    """
+
+    name = "ngram_sd"
+
+    def __init__(self, lookup: NGramDrafter, model: ModelDrafter, lookup_k: int = 8) -> None:
+        if isinstance(lookup_k, bool) or int(lookup_k) != lookup_k or lookup_k < 1:
+            from quickdraft.errors import QuickdraftError
+
+            raise QuickdraftError(f"lookup_k must be an integer >= 1, got {lookup_k!r}")
+        self.lookup = lookup
+        self.model = model
+        self.lookup_k = int(lookup_k)
+        self.max_draft = self.lookup_k  # the engine sizes its context check by the longest draft
+        self.lookup_steps = 0  # steps drafted by prompt lookup since start (the rest by the model)
+
+    def start(self, sequences: list[list[int]]) -> None:
+        self.lookup_steps = 0
+        self.model.start(sequences)
+
+    def prefill(self, sequences: list[list[int]]) -> None:
+        self.model.prefill(sequences)
+
+    def propose(self, sequences, policy, rule, sampling, ctx, active) -> Draft:
+        found = [self.lookup.lookup(seq, self.lookup_k) if act else [] for seq, act in zip(sequences, active.tolist())]
+        if any(active.tolist()) and all(f for f, act in zip(found, active.tolist()) if act):
+            self.lookup_steps += 1
+            policy.begin_step()  # a step begins for the policy as well (it sees the outcome in update)
+            return one_hot_draft(found, self.lookup.vocab_size, rule)
+        return self.model.propose(sequences, policy, rule, sampling, ctx, active)
+
+    def commit(self, sequences: list[list[int]], valid_prefix: torch.Tensor) -> None:
+        self.model.commit(sequences, valid_prefix)

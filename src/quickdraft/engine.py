@@ -20,7 +20,7 @@ from typing import Callable, Literal
 
 import torch
 
-from quickdraft.drafters import Draft, ModelDrafter, NGramDrafter, pending_block
+from quickdraft.drafters import Draft, ModelDrafter, NGramDrafter, NGramModelDrafter, pending_block
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.policies import Constant, Policy
@@ -29,8 +29,8 @@ from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
 from quickdraft.verify import verify_chain
 
-Method = Literal["ar", "sd", "ngram"]
-METHODS: tuple[str, ...] = ("ar", "sd", "ngram")
+Method = Literal["ar", "sd", "ngram", "ngram_sd"]
+METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd")
 
 #: called as ``on_tokens(row, new_token_ids)`` whenever a row gains tokens
 TokenCallback = Callable[[int, list[int]], None]
@@ -126,7 +126,7 @@ def generate(
     prompts: list[list[int]],
     *,
     method: Method = "sd",
-    drafter: ModelDrafter | NGramDrafter | None = None,
+    drafter: ModelDrafter | NGramDrafter | NGramModelDrafter | None = None,
     rule: Rule | None = None,
     policy: Policy | None = None,
     sampling: SamplingParams = SamplingParams(),
@@ -145,9 +145,11 @@ def generate(
     prompts:
         ``B`` lists of token ids (non-empty).
     method:
-        ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` chain speculative decoding with ``drafter``.
+        ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` / ``"ngram_sd"`` chain speculative decoding
+        with ``drafter``.
     drafter:
-        A :class:`ModelDrafter` (``"sd"``) or :class:`NGramDrafter` (``"ngram"``).
+        A :class:`ModelDrafter` (``"sd"``), :class:`NGramDrafter` (``"ngram"``) or
+        :class:`NGramModelDrafter` (``"ngram_sd"``: prompt lookup, the draft model where it finds nothing).
     rule:
         Acceptance rule (default: :func:`default_rule`).
     policy:
@@ -178,7 +180,8 @@ def generate(
     policy = policy or Constant(4)
     eos_ids = set(eos_token_ids or ())
     vocab = int(target.model.config.vocab_size)
-    needed = max(len(p) for p in prompts) + max_new_tokens + (0 if method == "ar" else policy.begin_step() + 1)
+    longest_draft = 0 if method == "ar" else max(policy.begin_step(), getattr(drafter, "max_draft", 0))
+    needed = max(len(p) for p in prompts) + max_new_tokens + (0 if method == "ar" else longest_draft + 1)
     if needed > target.max_positions:
         raise QuickdraftError(
             f"context overflow: prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "

@@ -8,6 +8,8 @@ name       drafter    rule                                       notes
 ar         none       greedy / sampling from the target          the baseline
 sd         draft LM   greedy (T = 0) or lossless (T > 0)         Leviathan/Chen
 ngram      n-gram     greedy (T = 0) or lossless (T > 0)         prompt lookup decoding
+ngram_sd   both       greedy (T = 0) or lossless (T > 0)         prompt lookup where it matches,
+                                                                 else the draft model
 fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless hybrid & T = 0
 typical    draft LM   Typical(epsilon, delta)                    lossy
 ersd       draft LM   ExponentialRace(seed, candidates)          lossless, shared randomness;
@@ -27,7 +29,7 @@ from quickdraft.policies import Constant, Policy
 from quickdraft.rules import Rule
 from quickdraft.sampling import SamplingParams
 
-METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "fsd", "typical", "ersd", "tree")
+METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "fsd", "typical", "ersd", "tree")
 #: how lossy rules draft: ``auto`` (FSD: greedy, hybrid FSD and typical: sampled), ``greedy``, ``sampled``
 DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 
@@ -35,7 +37,7 @@ DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 @dataclass
 class MethodSpec:
     name: str
-    engine_method: str  # "ar" | "sd" | "ngram" | "tree"
+    engine_method: str  # "ar" | "sd" | "ngram" | "ngram_sd" | "tree"
     rule: Rule
     policy: Policy
     needs_draft: bool
@@ -113,8 +115,8 @@ def build_method(
     pol = build_policy(policy, k, head, stop_threshold)
     if name == "ar":
         return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
-    if name in ("sd", "ngram"):
-        return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name == "sd")
+    if name in ("sd", "ngram", "ngram_sd"):
+        return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name != "ngram")
     if name == "tree":
         from quickdraft.tree import TreeConfig, check_combination
 

@@ -677,23 +677,18 @@ def resolve_dtype(dtype: DtypeName | str = "auto", device: str = "cpu") -> Any:
 
 def resolve_draft_dtype(draft_dtype: DtypeName | str | None, dtype: DtypeName | str = "auto",
                         device: str = "cpu") -> Any:
-    """The torch dtype of the draft model.
+    """The torch dtype of the draft model: ``draft_dtype`` if given, else the same as ``dtype``.
 
-    ``draft_dtype=None`` follows ``dtype``, except that ``dtype="auto"`` gives the draft its own
-    automatic choice: bf16 on a CPU. A draft decodes one token per call, and a one-row matmul is
-    bound by the bytes of weights it reads, so bf16 weights halve its cost even on CPUs that
-    compute bf16 by conversion (measured on a 2-core AVX2 EPYC: a 0.5B draft forward over one
-    token 85 ms in bf16 vs 157 ms in packed fp32; over 5 tokens 284 vs 158 ms, which is why the
-    target, verifying K + 1 tokens per call, stays fp32 there). The draft's dtype never changes
-    what a lossless method outputs: that is the target's distribution, whatever the draft proposes.
+    The draft's dtype never changes what a lossless method outputs (that is the target's
+    distribution, whatever the draft proposes), only its speed and acceptance. A bf16 draft next
+    to an fp32 target looks attractive on CPUs without native bf16, because a draft decodes one
+    token per call and a one-row matmul is bound by the bytes it reads (a 0.5B draft forward over
+    one token in isolation: 85 ms in bf16 vs 157 ms in packed fp32 on a 2-core AVX2 EPYC). In the
+    decoding loop it was slower all the same (``benchmarks/results/perf_bf16_draft.json``:
+    speculative decoding 4.3-4.6 tok/s with a bf16 draft vs 4.8-4.9 with an fp32 one), so it is
+    not the default.
     """
-    if draft_dtype is not None:
-        return resolve_dtype(draft_dtype, device)
-    if dtype == "auto" and device == "cpu":
-        import torch
-
-        return torch.bfloat16
-    return resolve_dtype(dtype, device)
+    return resolve_dtype(draft_dtype if draft_dtype is not None else dtype, device)
 
 
 def load_model(

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from quickdraft.drafters import ModelDrafter, NGramDrafter
+from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
 from quickdraft.engine import GenerationOutput, Method, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
@@ -86,9 +86,8 @@ class Pipeline:
         left after quantisation on oneDNN with pre-packed weights (:mod:`quickdraft.packed`; default
         ``None``: where that is the fast path — fp32 on a CPU without native bf16), so that a
         verification forward over K + 1 tokens costs about as much as a one-token forward.
-        ``draft_dtype`` (``auto``, ``bfloat16``, ``float32``; default ``None``) is the draft's dtype:
-        ``None`` follows ``dtype``, except that ``dtype="auto"`` loads the draft in bf16 on a CPU,
-        where its one-token forwards read half the bytes (:func:`quickdraft.models.resolve_draft_dtype`).
+        ``draft_dtype`` (``auto``, ``bfloat16``, ``float32``; default ``None``: as ``dtype``) is the
+        draft's dtype (:func:`quickdraft.models.resolve_draft_dtype`).
         """
         from quickdraft.backends import BACKEND_NAMES
         from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
@@ -169,13 +168,23 @@ class Pipeline:
                 ids.add(int(vocab[token]))
         return ids
 
-    def drafter_for(self, method: str, ngram_max: int = 3, ngram_min: int = 1):
+    #: (shortest, longest) n-gram matched by default: any repeat for ``ngram`` (a miss costs
+    #: nothing there), two tokens or more for ``ngram_sd`` (a miss costs a draft-model step)
+    NGRAM_DEFAULTS = {"ngram": (1, 3), "ngram_sd": (2, 4)}
+
+    def drafter_for(self, method: str, ngram: tuple[int, int] | None = None, lookup_k: int = 8):
+        ngram_min, ngram_max = ngram or self.NGRAM_DEFAULTS.get(method, (1, 3))
         if method == "ngram":
             return NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min)
         if method == "ar":
             return None
         if self.draft is None:
             raise QuickdraftError(f"method {method!r} needs a draft model (--draft)")
+        if method == "ngram_sd":
+            return NGramModelDrafter(
+                NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min),
+                ModelDrafter(self.draft, self.vocab_size), lookup_k=lookup_k,
+            )
         return ModelDrafter(self.draft, self.vocab_size)
 
     # -- generation ------------------------------------------------------------------------------
@@ -196,12 +205,15 @@ class Pipeline:
         prompt_ids: list[list[int]] | None = None,
         tree=None,
         verifier: str = "rrs",
-        ngram: tuple[int, int] = (1, 3),
+        ngram: tuple[int, int] | None = None,
+        lookup_k: int = 8,
     ) -> PipelineOutput:
         """Generate a completion for every prompt (one real batch through the models).
 
-        ``ngram`` = (shortest, longest) n-gram the ``ngram`` method matches: a longer shortest n-gram
-        drafts less often and more accurately, for backends whose verification cost grows with K.
+        ``ngram`` = (shortest, longest) n-gram the ``ngram`` and ``ngram_sd`` methods match (default:
+        :attr:`NGRAM_DEFAULTS`): a longer shortest n-gram drafts less often and more accurately, for
+        backends whose verification cost grows with K. ``lookup_k``: tokens an ``ngram_sd`` lookup
+        step copies (its model steps draft ``policy``'s length).
         """
         ids = prompt_ids if prompt_ids is not None else [self.encode(p, chat) for p in prompts]
         printed = [0] * len(ids)
@@ -249,7 +261,7 @@ class Pipeline:
                 self.target,
                 ids,
                 method=method,
-                drafter=self.drafter_for(method, ngram_max=ngram[1], ngram_min=ngram[0]),
+                drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k),
                 rule=rule,
                 policy=policy or Constant(k),
                 sampling=sampling,

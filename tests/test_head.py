@@ -57,6 +57,73 @@ def test_save_load_round_trip_and_metadata(tmp_path, tiny_draft):
     assert path.stat().st_size < 50_000
 
 
+def _stats_head(seed: int = 0) -> AcceptanceHead:
+    """A head with confidence inputs, its weights rounded to float16 (what a head file stores)."""
+    torch.manual_seed(seed)
+    head = AcceptanceHead(32, num_layers=1, num_stats=4)
+    gen = torch.Generator().manual_seed(seed)
+    head.set_normalisation(torch.randn(100, 32, generator=gen) * 3 + 1,
+                           baseline_design(confidence_features(torch.softmax(torch.randn(100, 8, generator=gen), -1),
+                                                               torch.randint(0, 8, (100,), generator=gen))))
+    with torch.no_grad():
+        head.stats_out.weight.copy_(torch.tensor([[1.5, -0.7, 0.4, 0.9]]))
+        for name, param in head.named_parameters():
+            if not name.startswith("stats_"):  # stats_out is stored in float32, the rest in float16
+                param.copy_(param.half().float())
+    return head.eval()
+
+
+def test_stats_head_save_load_round_trip_is_exact(tmp_path):
+    head = _stats_head()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 32, generator=gen)
+    stats = baseline_design(confidence_features(torch.softmax(3 * torch.randn(6, 8, generator=gen), -1),
+                                                torch.randint(0, 8, (6,), generator=gen)))
+    path = save_head(head, tmp_path / "stats.pt")
+    payload = torch.load(path, weights_only=True)
+    assert payload["num_stats"] == 4 and payload["version"] == 1
+    for key in ("stats_mean", "stats_std", "feature_mean", "stats_out.weight"):
+        assert payload["state_dict"][key].dtype == torch.float32, key
+    assert payload["state_dict"]["out.weight"].dtype == torch.float16
+    loaded = load_head(path)
+    assert loaded.num_stats == 4
+    assert torch.equal(loaded.stats_mean, head.stats_mean) and torch.equal(loaded.stats_std, head.stats_std)
+    assert torch.equal(loaded.accept_prob(x, stats), head.accept_prob(x, stats))
+    # the confidence inputs really enter the prediction (the round trip above is not vacuous)
+    assert not torch.allclose(loaded.accept_prob(x, stats), loaded.accept_prob(x, stats.flip(0)), atol=1e-3)
+
+
+def test_stats_head_needs_its_confidence_inputs():
+    head = _stats_head()
+    x = torch.zeros(2, 32)
+    with pytest.raises(QuickdraftError, match="num_stats = 4"):
+        head.accept_prob(x)
+    with pytest.raises(QuickdraftError, match="num_stats = 4"):
+        head(x)
+    with pytest.raises(QuickdraftError, match=r"need \[\.\.\., 4\]"):
+        head.accept_prob(x, torch.zeros(2, 3))
+    with pytest.raises(QuickdraftError, match="leading shape"):
+        head.accept_prob(x, torch.zeros(3, 4))
+    with pytest.raises(QuickdraftError, match="no confidence inputs"):
+        AcceptanceHead(32, 1).accept_prob(x, torch.zeros(2, 4))
+    assert head.accept_prob(x, torch.zeros(2, 4)).shape == (2,)
+
+
+def test_heads_saved_before_confidence_inputs_still_load():
+    """The committed heads (written without a ``num_stats`` key) load as hidden-state-only heads."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "models" / "heads").glob("*.pt"))
+    if not files:
+        pytest.skip("no committed head files in models/heads")
+    for path in files:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        head = load_head(path)
+        assert head.num_stats == payload.get("num_stats", 0) == 0
+        prob = head.accept_prob(torch.zeros(2, head.hidden_size))
+        assert prob.shape == (2,) and bool(((prob > 0) & (prob < 1)).all())
+
+
 def test_mismatched_draft_and_bad_files_give_clear_errors(tmp_path, tiny_draft):
     head = AcceptanceHead(32, 1, HeadMetadata(draft="qwen2.5-coder-0.5b-instruct",
                                               draft_fingerprint=model_fingerprint(tiny_draft)))
@@ -139,6 +206,34 @@ def test_training_loss_falls_on_a_synthetic_task():
     assert report["brier_unweighted"] < 0.75 * report["brier_constant_baseline"]
     assert report["brier_base_rate"] <= report["brier_constant_baseline"] + 1e-9  # the best constant
     assert report["heldout_positions"] + report["validation_positions"] + report["train_positions"] == n
+
+
+def test_confidence_inputs_let_the_head_learn_what_the_hidden_state_does_not_know():
+    """Labels that depend only on the draft's confidence, hidden states that are pure noise: the head
+    with confidence inputs beats the hidden-state-only head by far on the test prompts."""
+    gen = torch.Generator().manual_seed(0)
+    n, h = 3000, 16
+    x = torch.randn(n, h, generator=gen)  # no information
+    top = torch.rand(n, generator=gen) * 0.9 + 0.1
+    chosen = top * (torch.rand(n, generator=gen) < 0.8)  + 0.05 * top  # mostly the top token
+    stats = torch.stack([top, -(top * top.log()) - (1 - top) * (1 - top).clamp_min(1e-6).log(), chosen], dim=1)
+    labels = torch.sigmoid(8 * (top - 0.55)) * (chosen > 0.5 * top)
+    ex = Examples(features=x.to(torch.bfloat16), labels=labels, loss_mask=torch.ones(n, dtype=torch.bool),
+                  groups=torch.arange(n) // 30, data_hash="synthetic", draft_stats=stats)
+    reports = {}
+    for flag in (True, False):
+        cfg = TrainConfig(num_layers=1, epochs=6, batch_size=256, lr=3e-3, reject_weight=2.0, confidence_inputs=flag)
+        head, reports[flag] = train_head(ex, cfg, log=lambda m: None, draft_cost=0.3, thresholds=(0.5,))
+        assert head.num_stats == (4 if flag else 0) and reports[flag]["confidence_inputs"] is flag
+        assert "specdecpp_h0.5" in reports[flag]["simulated_tokens_per_target_time"]
+    with_stats, without = reports[True]["brier_unweighted"], reports[False]["brier_unweighted"]
+    assert without > 0.8 * reports[False]["brier_base_rate"]  # noise features: no better than a constant
+    assert with_stats < 0.5 * without
+    assert with_stats <= reports[True]["brier_logistic_baseline"] + 0.01  # at least as good as the baseline
+    # no draft statistics in the data: the flag is ignored and the head reads the hidden state only
+    no_stats = Examples(features=ex.features, labels=labels, loss_mask=ex.loss_mask, groups=ex.groups, data_hash="x")
+    head, report = train_head(no_stats, TrainConfig(epochs=1), log=lambda m: None)
+    assert head.num_stats == 0 and report["confidence_inputs"] is False
 
 
 def test_split_groups_separates_validation_and_test_prompts():

@@ -45,6 +45,21 @@ def random_head(seed: int, hidden: int = 32) -> AcceptanceHead:
     return AcceptanceHead(hidden, num_layers=1).eval()
 
 
+def confidence_head(weights: list[float], bias: float, hidden: int = 32, mean=None, std=None) -> AcceptanceHead:
+    """A head that ignores the hidden state: logit = bias + weights . (s - mean) / std, ``s`` the
+    draft's confidence inputs (top prob, entropy, log top prob, log prob of the drafted token)."""
+    head = AcceptanceHead(hidden, num_layers=0, num_stats=4)
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.bias.fill_(bias)
+        head.stats_out.weight.copy_(torch.tensor([weights]))
+        if mean is not None:
+            head.stats_mean.copy_(torch.tensor(mean))
+        if std is not None:
+            head.stats_std.copy_(torch.tensor(std))
+    return head.eval()
+
+
 # -- the stopping rule's arithmetic ----------------------------------------------------------------
 
 
@@ -144,6 +159,45 @@ def test_specdecpp_stops_when_predicted_rejection_risk_passes_h():
         assert pol.keep_drafting(1, probs[:1].expand(2, 4), two) is expected, rule
 
 
+def test_specdecpp_with_confidence_inputs_stops_when_the_draft_is_unsure():
+    """A head on the draft's top probability alone: P = sigmoid(20 (top - 0.6)). Token i's confidence
+    is handed over at call i and scored at call i + 1, with the hidden state of token i."""
+    head = confidence_head([20.0, 0.0, 0.0, 0.0], bias=-12.0)
+    sure = torch.tensor([[0.95, 0.03, 0.01, 0.01]])  # P = sigmoid(7) ~ 0.999
+    unsure = torch.tensor([[0.30, 0.25, 0.25, 0.20]])  # P = sigmoid(-6) ~ 0.0025
+    h = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))  # ignored by the head
+    first = torch.tensor([0])
+    pol = SpecDecPP(head, threshold=0.3, max_k=10)
+    pol.begin_step()
+    assert all(pol.keep_drafting(i, sure, h, token=first) for i in range(9))  # sure all the way: max_k
+    assert pol.risk().item() == pytest.approx(1 - torch.sigmoid(torch.tensor(7.0)).item() ** 8, rel=1e-4)
+    pol.begin_step()
+    assert pol.keep_drafting(0, sure, h, token=first)  # nothing scored yet
+    assert pol.keep_drafting(1, unsure, h, token=first)  # scores token 0 (sure)
+    assert pol.risk().item() < 0.01
+    assert not pol.keep_drafting(2, sure, h, token=first)  # scores token 1 (unsure): stop, 3 drafted
+    assert pol.risk().item() > 0.99
+    # the drafted token matters too: a head on log q(token), same distribution, different tokens
+    by_token = confidence_head([0.0, 0.0, 0.0, 4.0], bias=4.0)  # log 0.95 -> P ~ 0.98; log 0.01 -> P ~ 0
+    for token, expected in ((torch.tensor([0]), True), (torch.tensor([3]), False)):
+        pol = SpecDecPP(by_token, threshold=0.3, max_k=10)
+        pol.begin_step()
+        pol.keep_drafting(0, sure, h, token=token)
+        assert pol.keep_drafting(1, sure, h, token=first) is expected
+    # a batch (mean rule): one sure row and one unsure row -> mean risk ~0.5
+    both = torch.cat([sure, unsure])
+    for threshold, expected in ((0.4, False), (0.6, True)):
+        pol = SpecDecPP(head, threshold=threshold, max_k=10)
+        pol.begin_step()
+        pol.keep_drafting(0, both, h.expand(2, 32), token=torch.tensor([0, 0]))
+        assert pol.keep_drafting(1, both, h.expand(2, 32), token=torch.tensor([0, 0])) is expected
+    # such a head needs the drafted token
+    pol = SpecDecPP(head, threshold=0.3)
+    pol.begin_step()
+    with pytest.raises(QuickdraftError, match="token="):
+        pol.keep_drafting(0, sure, h)
+
+
 def test_specdecpp_errors():
     pol = SpecDecPP(constant_head(0.8), threshold=0.5)
     pol.begin_step()
@@ -188,8 +242,8 @@ class Recording(Policy):
         self._n = 1
         return self.inner.begin_step()
 
-    def keep_drafting(self, i, draft_probs, hidden):
-        keep = self.inner.keep_drafting(i, draft_probs, hidden)
+    def keep_drafting(self, i, draft_probs, hidden, token=None):
+        keep = self.inner.keep_drafting(i, draft_probs, hidden, token=token)
         self._n = i + 2 if keep else i + 1
         return keep
 
@@ -205,10 +259,13 @@ def _policies(draft_model=None):
         Confidence(p_min=0.1, max_k=8, output_head=draft_model.lm_head),  # tiny draft: top probs ~0.06-0.13
         SpecDecPP(random_head(0), threshold=0.5, max_k=8),
         SpecDecPP(random_head(1), threshold=0.9, max_k=8, batch_rule="any"),
+        # confidence inputs: the drafter must hand over the drafted tokens (tiny draft: top probs ~0.06-0.13)
+        SpecDecPP(confidence_head([1.0, 0.0, 0.0, 1.0], bias=1.0, mean=[0.09, 0, 0, -3.0], std=[0.02, 1, 1, 0.5]),
+                  threshold=0.5, max_k=8),
     ]
 
 
-@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("index", range(6))
 def test_greedy_output_equals_plain_decoding_with_every_policy(tiny_target, tiny_draft, index):
     target = ModelRunner(tiny_target, "target")
     plain = generate(target, PROMPTS, method="ar", max_new_tokens=24)

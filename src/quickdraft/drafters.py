@@ -118,7 +118,7 @@ class ModelDrafter:
             hidden = out.hidden[:, -1] if out.hidden is not None else None
             # policies see the draft's unwarped distribution: a confidence signal that stays
             # meaningful at temperature 0, where ``probs`` is one-hot
-            if i + 1 < max_k and not policy.keep_drafting(i, raw, hidden):
+            if i + 1 < max_k and not policy.keep_drafting(i, raw, hidden, token=token):
                 break
             ids, valid = token.unsqueeze(1), torch.ones_like(token.unsqueeze(1), dtype=torch.bool)
         k = len(tokens)

@@ -19,7 +19,8 @@ Data (Huang, Guo & Wang 2024, Sec. 3.2 and their ``data/`` scripts), one example
    forward per 32 columns); the feature of position ``j`` is the draft's last hidden state at token
    ``Z_j`` (the state the policy reads when ``Z_j`` is fed back to draft the next token). Next to
    the features the draft's own confidence at ``y_j`` is kept (top probability, entropy and the
-   probability of ``y_j`` under the temperature-1 ``q_j``) for the logistic baseline.
+   probability of ``y_j`` under the temperature-1 ``q_j``, :func:`quickdraft.head.confidence_features`):
+   the head's second input (``confidence_inputs``, default on) and the logistic baseline's only one.
 4. **cache** -- every batch is saved under ``~/.cache/quickdraft/specdecpp/`` (:func:`build_dataset`),
    so an interrupted build resumes and retraining takes seconds.
 5. **training** -- the draft model is frozen; the head minimises the weighted binary cross-entropy
@@ -29,13 +30,17 @@ Data (Huang, Guo & Wang 2024, Sec. 3.2 and their ``data/`` scripts), one example
 
    with rejection weight ``w`` (default 6). Its minimiser is ``P̂ = a / (a + w (1 − a))``, not
    ``a``: the weighted head under-predicts acceptance on purpose (it makes the policy stop earlier
-   for the same ``h``); :func:`unweight` maps it back to a calibrated probability.
+   for the same ``h``); :func:`unweight` maps it back to a calibrated probability. With confidence
+   inputs (``TrainConfig.confidence_inputs``) the head starts from the logistic baseline: its ``v``
+   and ``c`` come from the baseline's fit, ``c`` shifted by ``−log w`` (the weighted loss's optimum
+   for a well-specified logistic model), the hidden state's output weights start at zero, and
+   training adds what the hidden state knows beyond the draft's confidence.
 
 Prompts are split into training, validation and test prompts (whole prompts, not positions): the
 validation positions choose the epoch, the test positions give the Brier scores and the reliability
 plot. Baselines on the same test positions: the training-set mean (a constant), the test set's own
 mean (the best constant, Brier = the labels' variance), and a logistic regression on the draft's
-confidence (:func:`confidence_features`).
+confidence (:func:`quickdraft.head.baseline_design`).
 """
 
 from __future__ import annotations
@@ -52,7 +57,15 @@ import torch
 import typer
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.head import AcceptanceHead, HeadMetadata, model_fingerprint, save_head
+from quickdraft.head import (
+    NUM_CONFIDENCE_STATS,
+    AcceptanceHead,
+    HeadMetadata,
+    baseline_design,
+    confidence_features,
+    model_fingerprint,
+    save_head,
+)
 from quickdraft.sampling import SamplingParams, logits_to_probs
 
 DEFAULT_HEAD_PATH = "models/heads/specdecpp-qwen2.5-coder-0.5b.pt"
@@ -78,6 +91,9 @@ class TrainConfig:
     batch_size: positions per optimisation step.
     holdout: share of prompts held out (half validation, half test).
     seed: seeds prompts' sample, draft samples, mixing, split and initialisation.
+    confidence_inputs: the head also reads the draft's confidence at the drafted token
+        (``num_stats = 4``, :func:`quickdraft.head.baseline_design` of the examples' ``draft_stats``;
+        ignored when the examples have none). False trains the paper's hidden-state-only head.
     """
 
     num_prompts: int = 288
@@ -94,6 +110,7 @@ class TrainConfig:
     batch_size: int = 256
     holdout: float = 0.2
     seed: int = 0
+    confidence_inputs: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.mix_ratio < 1.0:
@@ -120,7 +137,8 @@ class Examples:
     loss_mask: ``[N]`` bool, False where the context token is the target's (no loss).
     groups: ``[N]`` int64 prompt index (for the held-out split).
     data_hash: SHA-256 over prompts, responses, draft samples and labels.
-    draft_stats: ``[N, 3]`` the draft's confidence at ``y_j`` (:func:`confidence_features`), or None.
+    draft_stats: ``[N, 3]`` the draft's confidence at ``y_j`` (:func:`quickdraft.head.confidence_features`),
+        or None.
     temperature: the label temperature.
     """
 
@@ -217,37 +235,6 @@ def reliability_table(pred: torch.Tensor, labels: torch.Tensor, bins: int = 10) 
             "mean_label": float(labels[sel].mean()) if n else None,
         })
     return rows
-
-
-def confidence_features(raw_draft_probs: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """The draft's own confidence at each drafted token, the input of the logistic baseline.
-
-    Parameters
-    ----------
-    raw_draft_probs:
-        ``[n, V]`` the draft's temperature-1 (unwarped) next-token distributions.
-    draft_ids:
-        ``[n]`` the drafted tokens.
-
-    Returns
-    -------
-    ``[n, 3]`` float32: top probability, entropy (nats), probability of the drafted token.
-
-    >>> confidence_features(torch.tensor([[0.5, 0.5]]), torch.tensor([1])).tolist()[0][0]
-    0.5
-    """
-    probs = raw_draft_probs.float()
-    top = probs.max(dim=-1).values
-    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
-    chosen = probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
-    return torch.stack([top, entropy, chosen], dim=-1)
-
-
-def baseline_design(stats: torch.Tensor) -> torch.Tensor:
-    """Inputs of the logistic baseline from :func:`confidence_features` ``[N, 3]``: top probability,
-    entropy, ``log`` top probability and ``log`` probability of the drafted token -> ``[N, 4]``."""
-    top, entropy, chosen = stats.float().unbind(dim=-1)
-    return torch.stack([top, entropy, top.clamp_min(1e-6).log(), chosen.clamp_min(1e-6).log()], dim=-1)
 
 
 def fit_logistic(x: torch.Tensor, labels: torch.Tensor, steps: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,9 +506,14 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     (the raw, weighted head's risk grows fast, hence the grid up to 0.98), and the best threshold
     with its grid neighbours as ``suggested_thresholds``.
 
+    With ``cfg.confidence_inputs`` and ``examples.draft_stats`` the head has ``num_stats = 4`` and
+    reads ``baseline_design(draft_stats)`` next to the hidden states wherever it is called, starting
+    from the logistic baseline's fit (module docstring, step 5).
+
     Returns the head of the epoch with the lowest validation loss and a report: losses per epoch,
     Brier scores on the test positions (the head's, un-weighted with :func:`unweight`, and those of
-    the baselines), reliability tables of the test positions.
+    the baselines), reliability tables of the test positions, ``confidence_inputs`` (whether the
+    head reads the draft's confidence).
     """
     torch.manual_seed(cfg.seed)  # nn.Linear's initialisation reads the global generator
     val, test = split_groups(examples.groups, cfg.holdout, cfg.seed)
@@ -532,11 +524,27 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     x_tr, y_tr = examples.features[train_sel].float(), examples.labels[train_sel]
     x_va, y_va = examples.features[val_sel].float(), examples.labels[val_sel]
     x_te, y_te = examples.features[test_sel].float(), examples.labels[test_sel]
-    head = AcceptanceHead(x_tr.shape[1], cfg.num_layers, metadata)
-    head.set_normalisation(x_tr)
-    with torch.no_grad():  # start at the (weighted) base rate
-        rate = float(y_tr.mean())
-        head.out.bias.fill_(math.log(max(rate, 1e-3) / max(cfg.reject_weight * (1 - rate), 1e-3)))
+    use_stats = bool(cfg.confidence_inputs) and examples.draft_stats is not None
+
+    def stats(sel: torch.Tensor) -> torch.Tensor | None:
+        """The head's confidence inputs at the positions ``sel`` (None without them)."""
+        return baseline_design(examples.draft_stats[sel]) if use_stats else None
+
+    s_tr, s_va, s_te = stats(train_sel), stats(val_sel), stats(test_sel)
+    base_weights = None
+    if examples.draft_stats is not None:  # the simple baseline: logistic on the draft's confidence
+        base_weights, _ = fit_logistic(baseline_design(examples.draft_stats[train_sel]), y_tr)
+    head = AcceptanceHead(x_tr.shape[1], cfg.num_layers, metadata, num_stats=NUM_CONFIDENCE_STATS if use_stats else 0)
+    head.set_normalisation(x_tr, s_tr)
+    with torch.no_grad():
+        if use_stats:  # start at the logistic baseline (weighted: bias - log w), the hidden term at 0
+            coef = base_weights[:-1]
+            head.stats_out.weight.copy_((coef * head.stats_std).unsqueeze(0))  # in standardised units
+            head.out.bias.fill_(float(base_weights[-1] + (coef * head.stats_mean).sum()) - math.log(cfg.reject_weight))
+            head.out.weight.zero_()
+        else:  # start at the (weighted) base rate
+            rate = float(y_tr.mean())
+            head.out.bias.fill_(math.log(max(rate, 1e-3) / max(cfg.reject_weight * (1 - rate), 1e-3)))
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(y_tr) / cfg.batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs * steps_per_epoch)
@@ -549,7 +557,7 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
         total = 0.0
         for s in range(0, len(perm), cfg.batch_size):
             idx = perm[s:s + cfg.batch_size]
-            loss = weighted_bce(head(x_tr[idx]), y_tr[idx], cfg.reject_weight)
+            loss = weighted_bce(head(x_tr[idx], None if s_tr is None else s_tr[idx]), y_tr[idx], cfg.reject_weight)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -557,16 +565,17 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
             total += float(loss.detach()) * len(idx)
         head.eval()
         with torch.no_grad():
-            ev = float(weighted_bce(head(x_va), y_va, cfg.reject_weight))
+            ev = float(weighted_bce(head(x_va, s_va), y_va, cfg.reject_weight))
         history.append({"epoch": epoch, "train_loss": total / len(perm), "heldout_loss": ev})
         if ev < best[0]:
             best = (ev, {k: v.clone() for k, v in head.state_dict().items()}, epoch)
     head.load_state_dict(best[1])
     head.eval()
     with torch.no_grad():
-        pred = torch.sigmoid(head(x_te))
+        pred = torch.sigmoid(head(x_te, s_te))
     calibrated = unweight(pred, cfg.reject_weight)
     report = {
+        "confidence_inputs": use_stats,
         "train_positions": int(train_sel.sum()),
         "validation_positions": int(val_sel.sum()),
         "heldout_positions": int(test_sel.sum()),
@@ -582,11 +591,12 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
         "reliability_raw": reliability_table(pred, y_te),
         "reliability_unweighted": reliability_table(calibrated, y_te),
     }
-    msg = (f"  best epoch {best[2]}: validation loss {best[0]:.4f}; test Brier raw {report['brier_raw']:.4f}, "
+    msg = (f"  head on {'hidden state + draft confidence' if use_stats else 'hidden state'}, "
+           f"best epoch {best[2]}: validation loss {best[0]:.4f}; test Brier raw {report['brier_raw']:.4f}, "
            f"unweighted {report['brier_unweighted']:.4f}, constant {report['brier_constant_baseline']:.4f}, "
            f"base rate {report['brier_base_rate']:.4f}")
-    if examples.draft_stats is not None:  # the simple baseline: logistic on the draft's confidence
-        weights, _ = fit_logistic(baseline_design(examples.draft_stats[train_sel]), y_tr)
+    if base_weights is not None:
+        weights = base_weights
         base_pred = predict_logistic(weights, baseline_design(examples.draft_stats[test_sel]))
         report["brier_logistic_baseline"] = brier_score(base_pred, y_te)
         report["logistic_baseline_weights"] = weights.tolist()
@@ -595,7 +605,7 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     log(msg)
     if draft_cost is not None:
         with torch.no_grad():
-            all_pred = torch.sigmoid(head(examples.features[test].float()))  # what the policy reads
+            all_pred = torch.sigmoid(head(examples.features[test].float(), stats(test)))  # what the policy reads
         sim = simulate_policies(examples.labels[test], all_pred, examples.groups[test], draft_cost,
                                 thresholds=thresholds, max_k=10)
         best_fixed = max((n for n in sim if n.startswith("fixed")), key=sim.get)
@@ -800,7 +810,8 @@ def run_training(cfg: TrainConfig, target: str = "target", draft: str = "draft",
         )
         head.metadata.extra = {k: report[k] for k in (
             "brier_raw", "brier_unweighted", "brier_constant_baseline", "brier_base_rate", "brier_logistic_baseline",
-            "train_positions", "validation_positions", "heldout_positions", "response_tokens", "prompts_used")
+            "train_positions", "validation_positions", "heldout_positions", "response_tokens", "prompts_used",
+            "confidence_inputs")
             if k in report}
         head.metadata.extra["reject_weight"] = cfg.reject_weight
         if "suggested_thresholds" in report:
@@ -842,6 +853,9 @@ def train_head_command(
     lr: float = typer.Option(TrainConfig.lr, "--lr"),
     weight_decay: float = typer.Option(TrainConfig.weight_decay, "--weight-decay"),
     seed: int = typer.Option(TrainConfig.seed),
+    confidence_inputs: bool = typer.Option(TrainConfig.confidence_inputs, "--confidence-inputs/--no-confidence-inputs",
+                                           help="The head also reads the draft's confidence at the drafted token "
+                                                "(top probability, entropy, log probabilities); off = hidden state only."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
     time_budget: float = typer.Option(0.0, "--time-budget", help="Seconds; start no data batch after this and "
                                       "train on the batches done (cached: run again to add more). 0 = no limit."),
@@ -856,7 +870,7 @@ def train_head_command(
         cfg = TrainConfig(num_prompts=num_prompts, max_new_tokens=max_new_tokens, gen_batch=gen_batch,
                           response_temperature=response_temperature, temperature=temperature[0], mix_ratio=mix_ratio,
                           reject_weight=reject_weight, num_layers=num_layers, epochs=epochs, lr=lr,
-                          weight_decay=weight_decay, seed=seed)
+                          weight_decay=weight_decay, seed=seed, confidence_inputs=confidence_inputs)
         run_training(cfg, target=target, draft=draft, out=out, report_path=report, plot_path=plot, threads=threads,
                      temperatures=tuple(temperature), time_budget=time_budget, dtype=dtype,
                      log=lambda m: typer.echo(m, err=True))

@@ -6,14 +6,16 @@ A policy is asked three things by the engine, once per verification step:
     the most tokens to draft this step (``int >= 1``). It may be called more than once per step
     (the engine also asks it once before generation to size the context), so it must not move the
     policy's state forward -- only reset the per-step state.
-``keep_drafting(i, draft_probs, hidden)``
+``keep_drafting(i, draft_probs, hidden, token=None)``
     after drafting token ``i`` (0-based) of the step, whether to draft another one. ``draft_probs``
     is ``[B, V]``, the draft's *unwarped* (temperature-1, no top-k/top-p) distribution at the
     position of token ``i`` -- at temperature 0 the sampling distribution is one-hot and says
-    nothing about confidence -- and ``hidden`` the drafter's last
+    nothing about confidence -- ``hidden`` the drafter's last
     hidden state ``[B, H]`` when :attr:`needs_hidden` is set: the state at the *last token fed* to
     the draft model, i.e. the accepted context's last token for ``i = 0`` and draft token ``i - 1``
-    for ``i >= 1``. One answer for the whole batch.
+    for ``i >= 1``, and ``token`` the ``[B]`` ids of draft token ``i`` itself (drawn from the
+    processed version of ``draft_probs``; ``None`` if the drafter does not say). One answer for the
+    whole batch.
 ``update(num_drafted, num_accepted)``
     the outcome of the step (``num_accepted`` is ``[B]``, the rows that took part).
 
@@ -31,7 +33,9 @@ Policies
                    low-confidence token is still verified: it is already drafted and verifying
                    one more token costs almost nothing on a memory-bound target)
 ``SpecDecPP``      stop once the predicted probability that some drafted token is rejected,
-                   ``1 − Π_i P̂_i``, exceeds a threshold ``h`` (Huang, Guo & Wang 2024)
+                   ``1 − Π_i P̂_i``, exceeds a threshold ``h`` (Huang, Guo & Wang 2024);
+                   ``P̂_i`` from the draft's hidden state and, if the head reads them, its
+                   confidence at the token
 =================  ==========================================================================
 
 Batches
@@ -85,7 +89,8 @@ class Policy:
     def begin_step(self) -> int:
         raise NotImplementedError
 
-    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None,
+                      token: torch.Tensor | None = None) -> bool:
         return True
 
     def update(self, num_drafted: int, num_accepted: torch.Tensor) -> None:
@@ -264,8 +269,9 @@ class Confidence(Policy):
         self._dead = None
         return self.max_k
 
-    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None) -> bool:
-        # draft_probs: [B, V]; hidden: [B, H] (the state whose logits drew token i)
+    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None,
+                      token: torch.Tensor | None = None) -> bool:
+        # draft_probs: [B, V]; hidden: [B, H] (the state whose logits drew token i); token unused
         if self.output_head is not None and hidden is not None:
             with torch.inference_mode():
                 top = torch.softmax(self.output_head(hidden).float(), dim=-1).max(dim=-1).values
@@ -288,6 +294,13 @@ class SpecDecPP(Policy):
     (hidden state of the already-accepted context) it is empty, so at least ``min(2, max_k)``
     tokens are drafted.
 
+    A head with confidence inputs (``head.num_stats > 0``) also reads
+    ``s_i = baseline_design(confidence_features(draft_probs_i, token_i))``, the draft's own
+    confidence at token ``i``: the policy computes it at call ``i`` (which hands over token ``i``
+    and the unwarped distribution it was drawn from), keeps it, and at call ``i + 1`` scores token
+    ``i`` with ``head.accept_prob(hidden, s_i)``. Such a head needs ``token``; a head without them
+    (``num_stats = 0``) ignores ``token`` and behaves as the paper's.
+
     Attributes
     ----------
     head: a trained :class:`quickdraft.head.AcceptanceHead` for this draft model.
@@ -305,6 +318,7 @@ class SpecDecPP(Policy):
     name = "specdecpp"
     needs_hidden = True
     _accept: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    _stats: torch.Tensor | None = field(default=None, init=False, repr=False)  # s of the last token drafted
 
     def __post_init__(self) -> None:
         if not (0.0 <= float(self.threshold) <= 1.0):
@@ -324,6 +338,7 @@ class SpecDecPP(Policy):
 
     def begin_step(self) -> int:
         self._accept = []
+        self._stats = None
         return self.max_k
 
     def risk(self) -> torch.Tensor | None:
@@ -332,11 +347,25 @@ class SpecDecPP(Policy):
             return None
         return rejection_risk(torch.stack(self._accept, dim=1))
 
-    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None,
+                      token: torch.Tensor | None = None) -> bool:
         if hidden is None:
             raise QuickdraftError("the specdecpp policy needs the drafter's hidden states (needs_hidden)")
+        stats = None
+        if self.head.num_stats:
+            if token is None:
+                raise QuickdraftError(
+                    "this specdecpp head reads the draft's confidence at each drafted token: the drafter "
+                    "must pass token= to keep_drafting"
+                )
+            from quickdraft.head import baseline_design, confidence_features
+
+            stats = baseline_design(confidence_features(draft_probs, token))  # [B, num_stats], token i's
         if i >= 1:  # hidden is draft token i-1's state; at i = 0 it is the accepted context's
-            self._accept.append(self.head.accept_prob(hidden))  # [B]
+            if self.head.num_stats and self._stats is None:
+                raise QuickdraftError(f"specdecpp: keep_drafting({i}) without the call for token {i - 1} this step")
+            self._accept.append(self.head.accept_prob(hidden, self._stats))  # [B]
+        self._stats = stats
         if i + 1 < self.min_k:
             return True
         risk = self.risk()

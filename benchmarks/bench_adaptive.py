@@ -42,6 +42,7 @@ from quickdraft.head import load_head
 from quickdraft.headtrain import DEFAULT_HEAD_PATH, head_path_for
 from quickdraft.pipeline import Pipeline
 from quickdraft.policies import Confidence, Constant, Heuristic, SpecDecPP
+from quickdraft.report import plot_adaptive
 from quickdraft.sampling import SamplingParams
 
 HEAD_TEMPLATE = str(head_path_for(DEFAULT_HEAD_PATH, 0.0, True)).replace("-t0.pt", "-t{t}.pt")
@@ -215,7 +216,10 @@ def main() -> None:
     meta["seconds"] = time.perf_counter() - t_start
     meta["process_seconds"] = time.perf_counter() - t_process
     _write(out_path, meta, records, args)
-    print(json.dumps(json.loads(out_path.read_text())["verdict"], indent=1))
+    result = json.loads(out_path.read_text())
+    if plot_adaptive(result["summary"], out_path.with_suffix(".png")):
+        print(f"plot: {out_path.with_suffix('.png')}")
+    print(json.dumps(result["verdict"], indent=1))
 
 
 def _write(path: Path, meta: dict, records: list[dict], args) -> None:

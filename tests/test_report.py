@@ -169,3 +169,15 @@ def test_write_reports_and_readme(records, tmp_path):
     again = readme.read_text()
     assert again.count(README_START) == 1 and again.count(README_END) == 1 and again.endswith("Tail.\n")
     assert again.count("### Synthetic run") == 1
+
+
+def test_plot_adaptive_draws_fixed_k_against_the_policies(tmp_path):
+    from quickdraft.report import plot_adaptive
+
+    summary = {"humaneval@T=0.0": {"fixed_k1": {"tokens_per_s": 4.0}, "fixed_k2": {"tokens_per_s": 5.0},
+                                   "specdecpp_h0.5": {"tokens_per_s": 5.5}, "heuristic": {"tokens_per_s": 4.5}}}
+    path = tmp_path / "adaptive.png"
+    assert plot_adaptive(summary, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plot_adaptive({"mtbench@T=0.0": {"heuristic": {"tokens_per_s": 3.0}}}, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()

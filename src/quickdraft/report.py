@@ -344,6 +344,34 @@ def plot_speedup_vs_k(rows: list[dict[str, Any]], path: str | os.PathLike[str]) 
     return True
 
 
+def plot_adaptive(summary: dict[str, dict[str, dict]], path: str | os.PathLike[str]) -> bool:
+    """Decode tokens/s against the draft length K for fixed K, with the adaptive policies
+    (SpecDec++ thresholds, heuristic, confidence) as horizontal lines; one panel per
+    ``dataset@T`` of ``benchmarks/bench_adaptive.py``'s ``summary``. False when nothing to plot."""
+    panels = {key: cfgs for key, cfgs in summary.items() if any(c.startswith("fixed_k") for c in cfgs)}
+    if not panels:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, (key, cfgs) in zip(axes[0], sorted(panels.items())):
+        fixed = sorted((int(c.removeprefix("fixed_k")), v["tokens_per_s"]) for c, v in cfgs.items()
+                       if c.startswith("fixed_k"))
+        ax.plot([k for k, _ in fixed], [t for _, t in fixed], "-o", color="black", label="fixed K")
+        others = [(c, v["tokens_per_s"]) for c, v in cfgs.items() if not c.startswith("fixed_k") and c != "ar"]
+        colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, (name, tps) in enumerate(sorted(others)):
+            ax.axhline(tps, color=colours[i % len(colours)], ls="--", lw=1.2, label=name)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("draft length K")
+        ax.set_ylabel("decode tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 # ------------------------------------------------------------------------------------------------
 # A run's reports and the README section
 # ------------------------------------------------------------------------------------------------

@@ -109,20 +109,26 @@ def test_stats_head_needs_its_confidence_inputs():
     assert head.accept_prob(x, torch.zeros(2, 4)).shape == (2,)
 
 
-def test_heads_saved_before_confidence_inputs_still_load():
-    """The committed heads (written without a ``num_stats`` key) load as hidden-state-only heads."""
+def test_heads_saved_before_confidence_inputs_still_load(tmp_path):
+    """A head file written before ``num_stats`` existed (no such key) loads as a hidden-state-only
+    head with the same outputs; the committed heads load and give probabilities."""
     from pathlib import Path
 
-    files = sorted((Path(__file__).resolve().parents[1] / "models" / "heads").glob("*.pt"))
-    if not files:
-        pytest.skip("no committed head files in models/heads")
-    for path in files:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        head = load_head(path)
-        assert head.num_stats == payload.get("num_stats", 0) == 0
-        prob = head.accept_prob(torch.zeros(2, head.hidden_size))
-        assert prob.shape == (2,) and bool(((prob > 0) & (prob < 1)).all())
+    old = AcceptanceHead(32, 1)
+    path = save_head(old, tmp_path / "old.pt")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload.pop("num_stats", None)
+    torch.save(payload, path)
+    loaded = load_head(path)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    assert loaded.num_stats == 0
+    torch.testing.assert_close(loaded.accept_prob(x), old.half().float().accept_prob(x), atol=2e-3, rtol=0)
 
+    for committed in sorted((Path(__file__).resolve().parents[1] / "models" / "heads").glob("*.pt")):
+        head = load_head(committed)
+        stats = torch.zeros(2, head.num_stats) if head.num_stats else None
+        prob = head.accept_prob(torch.zeros(2, head.hidden_size), stats)
+        assert prob.shape == (2,) and bool(((prob > 0) & (prob < 1)).all())
 
 def test_mismatched_draft_and_bad_files_give_clear_errors(tmp_path, tiny_draft):
     head = AcceptanceHead(32, 1, HeadMetadata(draft="qwen2.5-coder-0.5b-instruct",

@@ -334,14 +334,22 @@ def plot_speedup_vs_k(rows: list[dict[str, Any]], path: str | os.PathLike[str]) 
         pts.sort()
         ax.plot([k for k, _ in pts], [s for _, s in pts], "-o", label=key)
     ax.axhline(1.0, color="grey", lw=1, ls="--")
+    _label_k_axes(ax, "decode speed-up over target alone")
+    _save_figure(plt, fig, path)
+    return True
+
+
+def _label_k_axes(ax, ylabel: str) -> None:
     ax.set_xlabel("draft length K")
-    ax.set_ylabel("decode speed-up over target alone")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _save_figure(plt, fig, path: str | os.PathLike[str]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
 
 
 def plot_adaptive(summary: dict[str, dict[str, dict]], path: str | os.PathLike[str]) -> bool:
@@ -362,13 +370,8 @@ def plot_adaptive(summary: dict[str, dict[str, dict]], path: str | os.PathLike[s
         for i, (name, tps) in enumerate(sorted(others)):
             ax.axhline(tps, color=colours[i % len(colours)], ls="--", lw=1.2, label=name)
         ax.set_title(key, fontsize=9)
-        ax.set_xlabel("draft length K")
-        ax.set_ylabel("decode tokens/s")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        _label_k_axes(ax, "decode tokens/s")
+    _save_figure(plt, fig, path)
     return True
 
 

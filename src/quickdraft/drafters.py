@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.policies import Policy
+from quickdraft.policies import Policy, _check_k
 from quickdraft.rules import Rule, VerifyContext
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
@@ -199,15 +199,16 @@ class NGramModelDrafter:
     name = "ngram_sd"
 
     def __init__(self, lookup: NGramDrafter, model: ModelDrafter, lookup_k: int = 8) -> None:
-        if isinstance(lookup_k, bool) or int(lookup_k) != lookup_k or lookup_k < 1:
-            from quickdraft.errors import QuickdraftError
-
-            raise QuickdraftError(f"lookup_k must be an integer >= 1, got {lookup_k!r}")
+        _check_k(lookup_k, "lookup_k")
         self.lookup = lookup
         self.model = model
         self.lookup_k = int(lookup_k)
-        self.max_draft = self.lookup_k  # the engine sizes its context check by the longest draft
         self.lookup_steps = 0  # steps drafted by prompt lookup since start (the rest by the model)
+
+    @property
+    def max_draft(self) -> int:
+        """The longest draft a lookup step makes (the engine sizes its context check by it)."""
+        return self.lookup_k
 
     def start(self, sequences: list[list[int]]) -> None:
         self.lookup_steps = 0
@@ -217,8 +218,9 @@ class NGramModelDrafter:
         self.model.prefill(sequences)
 
     def propose(self, sequences, policy, rule, sampling, ctx, active) -> Draft:
-        found = [self.lookup.lookup(seq, self.lookup_k) if act else [] for seq, act in zip(sequences, active.tolist())]
-        if any(active.tolist()) and all(f for f, act in zip(found, active.tolist()) if act):
+        live = active.tolist()
+        found = [self.lookup.lookup(seq, self.lookup_k) if act else [] for seq, act in zip(sequences, live)]
+        if any(live) and all(f for f, act in zip(found, live) if act):
             self.lookup_steps += 1
             policy.begin_step()  # a step begins for the policy as well (it sees the outcome in update)
             return one_hot_draft(found, self.lookup.vocab_size, rule)

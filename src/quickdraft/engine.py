@@ -180,8 +180,9 @@ def generate(
     policy = policy or Constant(4)
     eos_ids = set(eos_token_ids or ())
     vocab = int(target.model.config.vocab_size)
-    longest_draft = 0 if method == "ar" else max(policy.begin_step(), getattr(drafter, "max_draft", 0))
-    needed = max(len(p) for p in prompts) + max_new_tokens + (0 if method == "ar" else longest_draft + 1)
+    # room for the longest draft and its bonus token
+    draft_room = 0 if method == "ar" else max(policy.begin_step(), getattr(drafter, "max_draft", 0)) + 1
+    needed = max(len(p) for p in prompts) + max_new_tokens + draft_room
     if needed > target.max_positions:
         raise QuickdraftError(
             f"context overflow: prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "

@@ -642,11 +642,6 @@ def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quan
     return meta
 
 
-def _dtype_name(model) -> str | None:
-    param = next(model.parameters(), None) if model is not None else None
-    return None if param is None else str(param.dtype).removeprefix("torch.")
-
-
 def _check_same_run(existing: dict[str, Any], config: BenchConfig, models: dict[str, Any]) -> None:
     old = existing.get("config", {})
     for key in ("dataset", "seed", "max_new_tokens"):
@@ -924,7 +919,8 @@ def bench_command(
         meta = run_bench(
             pipe, prompts, cfg, out, command=command, model_load_seconds=load_seconds,
             models=_models_meta(target, draft_spec if needs_draft else None, dtype, quantize, quantize_draft,
-                                draft_dtype=_dtype_name(pipe.draft_model)),
+                                draft_dtype=None if pipe.draft_model is None
+                                else str(pipe.draft_model.dtype).removeprefix("torch.")),
             progress=not no_progress, llamacpp_model=llamacpp_model,
         )
     except QuickdraftError as err:

@@ -524,16 +524,18 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     x_tr, y_tr = examples.features[train_sel].float(), examples.labels[train_sel]
     x_va, y_va = examples.features[val_sel].float(), examples.labels[val_sel]
     x_te, y_te = examples.features[test_sel].float(), examples.labels[test_sel]
-    use_stats = bool(cfg.confidence_inputs) and examples.draft_stats is not None
+    has_stats = examples.draft_stats is not None
+    use_stats = bool(cfg.confidence_inputs) and has_stats
 
-    def stats(sel: torch.Tensor) -> torch.Tensor | None:
-        """The head's confidence inputs at the positions ``sel`` (None without them)."""
-        return baseline_design(examples.draft_stats[sel]) if use_stats else None
+    def design(sel: torch.Tensor) -> torch.Tensor | None:
+        """The draft's confidence design at the positions ``sel`` (None without draft stats)."""
+        return baseline_design(examples.draft_stats[sel]) if has_stats else None
 
-    s_tr, s_va, s_te = stats(train_sel), stats(val_sel), stats(test_sel)
+    d_tr, d_te = design(train_sel), design(test_sel)
+    s_tr, s_va, s_te = (d_tr, design(val_sel), d_te) if use_stats else (None, None, None)  # the head's inputs
     base_weights = None
-    if examples.draft_stats is not None:  # the simple baseline: logistic on the draft's confidence
-        base_weights, _ = fit_logistic(baseline_design(examples.draft_stats[train_sel]), y_tr)
+    if has_stats:  # the simple baseline: logistic on the draft's confidence
+        base_weights, _ = fit_logistic(d_tr, y_tr)
     head = AcceptanceHead(x_tr.shape[1], cfg.num_layers, metadata, num_stats=NUM_CONFIDENCE_STATS if use_stats else 0)
     head.set_normalisation(x_tr, s_tr)
     with torch.no_grad():
@@ -597,7 +599,7 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
            f"base rate {report['brier_base_rate']:.4f}")
     if base_weights is not None:
         weights = base_weights
-        base_pred = predict_logistic(weights, baseline_design(examples.draft_stats[test_sel]))
+        base_pred = predict_logistic(weights, d_te)
         report["brier_logistic_baseline"] = brier_score(base_pred, y_te)
         report["logistic_baseline_weights"] = weights.tolist()
         report["reliability_logistic_baseline"] = reliability_table(base_pred, y_te)
@@ -605,7 +607,7 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     log(msg)
     if draft_cost is not None:
         with torch.no_grad():
-            all_pred = torch.sigmoid(head(examples.features[test].float(), stats(test)))  # what the policy reads
+            all_pred = torch.sigmoid(head(examples.features[test].float(), design(test) if use_stats else None))  # what the policy reads
         sim = simulate_policies(examples.labels[test], all_pred, examples.groups[test], draft_cost,
                                 thresholds=thresholds, max_k=10)
         best_fixed = max((n for n in sim if n.startswith("fixed")), key=sim.get)

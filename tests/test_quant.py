@@ -139,13 +139,14 @@ def _chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
     return float(scipy.stats.chisquare(obs, exp).pvalue)
 
 
-def test_speculative_sampling_on_the_int4_model_matches_its_distribution():
-    """The first two tokens of 1200 seeded runs (one batch) follow the int4 target's exact
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_speculative_sampling_on_the_quantized_model_matches_its_distribution(scheme):
+    """The first two tokens of 1200 seeded runs (one batch) follow the quantised target's exact
     distributions; against the draft's (a negative control) the same test must fail."""
     target = small_lm(0)
     draft = draft_of(target, seed=1, scale=0.6)
-    quantize_by_name(target, "int4", group_size=64)
-    quantize_by_name(draft, "int4", group_size=64)
+    quantize_by_name(target, scheme, group_size=64)
+    quantize_by_name(draft, scheme, group_size=64)
     prompt, rows = [3, 17, 42], 1200
     out = generate(
         ModelRunner(target, "target"), [prompt] * rows, method="sd", drafter=ModelDrafter(ModelRunner(draft), VOCAB),

@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from quickdraft import int8kernel
 from quickdraft.errors import QuickdraftError
 
 Bits = Literal[8, 4]
@@ -91,9 +92,19 @@ class Int8Linear(nn.Module):
         """``[N, K]`` float32 ``Ŵ`` (for tests)."""
         return self.weight.float() * self.scales.float()[:, None]
 
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through :mod:`quickdraft.int8kernel` (float32 on an AVX2 CPU) rather
+        than torch's ``_weight_int8pack_mm``."""
+        return (
+            x.dtype == torch.float32 and x.device.type == "cpu" and self.in_features % 8 == 0
+            and self.scales.dtype == torch.float32 and int8kernel.available()
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.uses_kernel(x2):
+            return int8kernel.int8_linear(x2, self.weight, self.scales, self.bias).reshape(*lead, self.out_features)
         scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, scales)
         if self.bias is not None:

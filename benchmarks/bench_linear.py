@@ -1,8 +1,10 @@
 """Cost of one linear layer of the target (1536 -> 8960, the MLP's up projection) against the number
 of tokens ``m`` it processes at once, for every kernel torch offers here: fp32 ``nn.Linear`` (MKL),
 fp32 on oneDNN with a packed weight (:mod:`quickdraft.packed`), bf16 ``nn.Linear``, and the
-weight-only int8 / int4 layers of :mod:`quickdraft.quant`. Kernels are interleaved within each
-repeat; the figure is the median over repeats.
+weight-only int8 / int4 layers of :mod:`quickdraft.quant` -- int8 both on quickdraft's AVX2 kernel
+(:mod:`quickdraft.int8kernel`, what ``Int8Linear`` runs for float32) and on torch's
+``_weight_int8pack_mm``. Kernels are interleaved within each repeat; the figure is the median over
+repeats. ``GBps`` is the weight bytes each kernel reads divided by its time.
 
 Speculative decoding needs the cost at ``m = K + 1`` to stay near the cost at ``m = 1``.
 
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quickdraft import int8kernel
 from quickdraft.models import cpu_flags
 from quickdraft.packed import PackedLinear
 from quickdraft.quant import Int4Linear, Int8Linear
@@ -31,13 +34,23 @@ def kernels(in_features: int, out_features: int, seed: int = 0) -> dict:
     linear = torch.nn.Linear(in_features, out_features, bias=False)
     bf16 = torch.nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
     bf16.weight.data.copy_(linear.weight.data)
-    return {
+    int8 = Int8Linear.from_linear(linear)
+    codes, scales = int8.int8_weight(), int8.scales[:out_features].contiguous()
+    out = {
         "fp32 (MKL)": (linear, torch.float32),
         "fp32 packed (oneDNN)": (PackedLinear.from_linear(linear), torch.float32),
         "bf16": (bf16, torch.bfloat16),
-        "int8": (Int8Linear.from_linear(linear), torch.float32),
+        "int8 (torch)": (lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scales), torch.float32),
         "int4": (Int4Linear.from_linear(linear, 128), torch.float32),
     }
+    if int8kernel.available():
+        out["int8 (quickdraft AVX2)"] = (int8, torch.float32)
+    return out
+
+
+#: bytes of weight each kernel reads per call, per weight
+BYTES_PER_WEIGHT = {"fp32 (MKL)": 4, "fp32 packed (oneDNN)": 4, "bf16": 2, "int8 (torch)": 1, "int4": 0.5,
+                    "int8 (quickdraft AVX2)": 1}
 
 
 @torch.inference_mode()
@@ -55,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
                 t = time.perf_counter()
                 layer(xx)
                 times[name][m].append(time.perf_counter() - t)
-    weight_bytes = args.in_features * args.out_features * 4
+    weights = args.in_features * args.out_features
     result = {
         "command": "python benchmarks/bench_linear.py " + " ".join(sys.argv[1:]),
         "cpu": platform.processor() or platform.machine(),
@@ -66,9 +79,9 @@ def run(args: argparse.Namespace) -> dict:
     result["ratio_to_m1"] = {
         name: {m: v / by_m[str(args.ms[0])] for m, v in by_m.items()} for name, by_m in result["median_ms"].items()
     }
-    result["fp32_GBps_at_m1"] = {
-        name: weight_bytes / (by_m[str(args.ms[0])] / 1000) / 1e9
-        for name, by_m in result["median_ms"].items() if name.startswith("fp32")
+    result["GBps"] = {
+        name: {m: BYTES_PER_WEIGHT[name] * weights / (v / 1000) / 1e9 for m, v in by_m.items()}
+        for name, by_m in result["median_ms"].items()
     }
     return result
 

@@ -16,6 +16,7 @@ first time :func:`load` is called, and cached by torch under ``~/.cache/torch_ex
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +25,8 @@ import torch
 from quickdraft.errors import QuickdraftError
 
 SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
+#: output rows per panel of the packed weight (``kPanel`` in the C++ source)
+PANEL = 64
 #: capabilities (``torch.backends.cpu.get_cpu_capability()``) the kernel runs on
 _CAPABLE = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 
@@ -63,27 +66,66 @@ def load() -> ModuleType:
 @functools.cache
 def available() -> bool:
     """Whether :func:`int8_linear` can run here (CPU capable and the extension builds)."""
+    if not cpu_supported():
+        return False
     try:
         load()
-    except QuickdraftError:
+    except QuickdraftError as exc:
+        warnings.warn(f"{exc}; int8 layers fall back to torch's slower _weight_int8pack_mm", stacklevel=2)
         return False
     return True
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(x Wᵀ) · scales + bias`` for float32 ``x [M, K]``, int8 ``weight [N, K]``, float32 ``scales [N]``.
+def panel_rows() -> int:
+    """Output rows per weight panel of the kernel's layout (64)."""
+    return PANEL
 
-    Any ``M`` works; rows are served in passes of at most 12 over the weights, so the kernel is
-    meant for decoding and verification (a few rows). ``K`` must be a multiple of 8.
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` int8 -> the kernel's layout ``[P, K, 64]`` with ``wp[p, k, r] = weight[64 p + r, k]``,
+    ``P = ceil(N / 64)``, rows past ``N`` zero."""
+    if weight.dim() != 2 or weight.dtype != torch.int8:
+        raise QuickdraftError(f"pack_weight needs an int8 [N, K] weight, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.int8)
+    padded[:n] = weight
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: ``[P, K, 64]`` -> ``[out_features, K]``."""
+    panels, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(panels * PANEL, k)[:out_features].contiguous()
+
+
+def pad_rows(v: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[N]`` -> ``[rows]`` with zeros after ``N`` (scales and bias to the panels' row count)."""
+    return torch.cat([v, v.new_zeros(rows - v.shape[0])]) if rows > v.shape[0] else v.contiguous()
+
+
+def int8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+    out_features: int | None = None,
+) -> torch.Tensor:
+    """``(x Wᵀ) · scales + bias`` for float32 ``x [M, K]`` and ``W`` in the layout of :func:`pack_weight`.
+
+    ``scales`` and ``bias`` have one entry per packed row (``P · 64``, see :func:`pad_rows`); the
+    result keeps the first ``out_features`` columns (default all). Rows are served in passes of at
+    most 12 over the weights, so the kernel is meant for decoding and verification (a few rows).
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise QuickdraftError(f"int8_linear needs x [M, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != torch.float32 or weight.dtype != torch.int8 or scales.dtype != torch.float32:
+    if x.dim() != 2 or packed.dim() != 3 or packed.shape[2] != PANEL or x.shape[1] != packed.shape[1]:
         raise QuickdraftError(
-            f"int8_linear needs float32 x, int8 weight and float32 scales; got {x.dtype}, {weight.dtype}, {scales.dtype}"
+            f"int8_linear needs x [M, K] and a packed weight [P, K, {PANEL}]; got {tuple(x.shape)} and {tuple(packed.shape)}"
         )
-    if weight.shape[1] % 8:
-        raise QuickdraftError(f"int8_linear needs in_features divisible by 8, got {weight.shape[1]}")
-    if scales.shape != (weight.shape[0],) or (bias is not None and bias.shape != (weight.shape[0],)):
-        raise QuickdraftError(f"int8_linear needs scales (and bias) of shape [{weight.shape[0]}]")
-    return load().int8_linear(x, weight, scales, bias)
+    if x.dtype != torch.float32 or packed.dtype != torch.int8 or scales.dtype != torch.float32:
+        raise QuickdraftError(
+            f"int8_linear needs float32 x, int8 weight and float32 scales; got {x.dtype}, {packed.dtype}, {scales.dtype}"
+        )
+    rows = packed.shape[0] * PANEL
+    if scales.shape != (rows,) or (bias is not None and bias.shape != (rows,)):
+        raise QuickdraftError(f"int8_linear needs scales (and bias) of shape [{rows}] (see pad_rows)")
+    y = load().int8_linear(x, packed, scales, bias)
+    if out_features is not None and out_features < rows:
+        y = y[:, :out_features].contiguous()
+    return y

@@ -7,7 +7,8 @@ against bf16, while activations stay in the model's dtype.
 
 Two schemes, both applied per output row ``n`` of a weight ``W [N, K]``:
 
-int8, symmetric per channel (``_weight_int8pack_mm``)
+int8, symmetric per channel (float32 activations on an AVX2 CPU: :mod:`quickdraft.int8kernel`, which
+stays bandwidth-bound for the few rows of a verification; otherwise ``_weight_int8pack_mm``)
     .. math:: s_n = \\max_k |W_{nk}| / 127, \\quad q_{nk} = \\mathrm{round}(W_{nk} / s_n) \\in [-127, 127],
               \\quad \\hat W_{nk} = s_n q_{nk}
 
@@ -58,6 +59,10 @@ def _check_activation_dtype(dtype: torch.dtype) -> None:
 class Int8Linear(nn.Module):
     """``y = x Ŵᵀ + b`` with ``Ŵ = diag(scales) · weight``, weight int8 ``[N, K]``.
 
+    With float32 scales on a CPU where :mod:`quickdraft.int8kernel` runs, the weight is kept only in
+    that kernel's panel layout (``packed``, ``[ceil(N/64), K, 64]``) and every forward runs the
+    kernel; otherwise it is kept as ``[N, K]`` for torch's ``_weight_int8pack_mm``.
+
     Parameters
     ----------
     weight:
@@ -72,9 +77,17 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features = int(weight.shape[1])
         self.out_features = int(weight.shape[0])
-        self.register_buffer("weight", weight.contiguous())
-        self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("bias", None if bias is None else bias.contiguous())
+        self.kernel = scales.dtype == torch.float32 and weight.device.type == "cpu" and int8kernel.available()
+        if self.kernel:
+            packed = int8kernel.pack_weight(weight)
+            rows = packed.shape[0] * packed.shape[2]
+            self.register_buffer("weight", packed)
+            self.register_buffer("scales", int8kernel.pad_rows(scales, rows))
+            self.register_buffer("bias", None if bias is None else int8kernel.pad_rows(bias, rows))
+        else:
+            self.register_buffer("weight", weight.contiguous())
+            self.register_buffer("scales", scales.contiguous())
+            self.register_buffer("bias", None if bias is None else bias.contiguous())
 
     @classmethod
     @torch.no_grad()
@@ -88,23 +101,20 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
         return cls(q, scales.to(dtype), bias)
 
+    def int8_weight(self) -> torch.Tensor:
+        """``[N, K]`` int8 codes, whatever the layout held."""
+        return int8kernel.unpack_weight(self.weight, self.out_features) if self.kernel else self.weight
+
     def dequantized(self) -> torch.Tensor:
         """``[N, K]`` float32 ``Ŵ`` (for tests)."""
-        return self.weight.float() * self.scales.float()[:, None]
-
-    def uses_kernel(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through :mod:`quickdraft.int8kernel` (float32 on an AVX2 CPU) rather
-        than torch's ``_weight_int8pack_mm``."""
-        return (
-            x.dtype == torch.float32 and x.device.type == "cpu" and self.in_features % 8 == 0
-            and self.scales.dtype == torch.float32 and int8kernel.available()
-        )
+        return self.int8_weight().float() * self.scales[: self.out_features].float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.uses_kernel(x2):
-            return int8kernel.int8_linear(x2, self.weight, self.scales, self.bias).reshape(*lead, self.out_features)
+        if self.kernel:
+            y = int8kernel.int8_linear(x2.float(), self.weight, self.scales, self.bias, self.out_features)
+            return y.to(x.dtype).reshape(*lead, self.out_features)
         scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, scales)
         if self.bias is not None:
@@ -112,7 +122,8 @@ class Int8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+        kernel = "quickdraft AVX2 kernel" if self.kernel else "torch _weight_int8pack_mm"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel ({kernel})"
 
 
 class Int4Linear(nn.Module):

@@ -1,19 +1,21 @@
 // Weight-only int8 linear layer for a few rows of fp32 activations, on AVX2 + FMA.
 //
-//     y[m, n] = scales[n] * sum_k x[m, k] * w[n, k]  (+ bias[n])
+//     y[m, n] = scales[n] * sum_k x[m, k] * w[n, k] + bias[n]
 //
 // Decoding reads every weight once per forward, so with few rows (one token, or the K + 1 tokens
-// of a speculative verification) the cost is the bytes of `w`: int8 reads a quarter of fp32's.
-// The kernel converts each block of 8 int8 weights to fp32 once and uses it for every row of x in
-// the call, so the compute per weight grows with the rows while the bytes stay fixed.
+// of a speculative verification) the cost is the bytes of w, and int8 reads a quarter of fp32's.
 //
-// Exactness across row counts: every output element is the same sequence of operations whatever
-// the number of rows M in the call -- lane j of one 8-wide accumulator sums x[m, k] * w[n, k] over
-// k = j, j + 8, ... in increasing k with fused multiply-adds, then the 8 lanes are summed in a
-// fixed order and scaled. The row count only changes which (m, n) pairs share a loop (instruction
-// level parallelism comes from several weight rows n for few x rows, from several x rows
-// otherwise), never the arithmetic of one pair. So a speculative verification over K + 1 tokens
-// gives bit-for-bit the logits that K + 1 one-token forwards would.
+// Layout. The weight is stored in panels of 64 output rows, k-major inside a panel:
+// wp[p, k, r] = w[64 p + r, k], so one 64-byte cache line holds column k of 64 rows and a panel is
+// one sequential stream. The kernel is an outer product: for each k it converts 8 rows' weights to
+// fp32 once, broadcasts x[m, k] and accumulates into y[m, 8 rows] for every row m of x, so one
+// conversion serves all rows and no horizontal sums are needed.
+//
+// Exactness across row counts: every y[m, n] is one fp32 accumulator updated by fused
+// multiply-adds over k = 0, 1, ..., K - 1 in order (kept in memory between k tiles, which does not
+// change its value), then fma(acc, scale, bias). The number of rows in the call only changes how
+// the (m, n) pairs are grouped into registers, never the arithmetic of one pair, so a verification
+// over K + 1 tokens gives bit-for-bit the outputs of K + 1 one-token calls.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -23,113 +25,111 @@
 
 namespace {
 
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);                      // lanes (0+4, 1+5, 2+6, 3+7)
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));   // (0+4+2+6, 1+5+3+7, ...)
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+constexpr int kPanel = 64;     // output rows per panel (8 groups of 8)
+constexpr int kGroups = kPanel / 8;
+constexpr int kTile = 256;     // k per tile: the panel's tile (16 KB) stays in L1 across sweeps
+constexpr int kMaxRows = 12;   // rows of x per pass over the weights
 
 inline __m256 load_w8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// MB rows of x times NB consecutive weight rows starting at n.
+// Register blocking: MB rows of x times NB groups of 8 output rows, MB * NB accumulators.
+template <int MB>
+constexpr int groups_per_sweep() {
+  return MB == 1 ? 8 : MB == 2 ? 4 : MB <= 6 ? 2 : 1;
+}
+
+// One k tile [k0, k1) of one sweep (groups g0 .. g0 + NB - 1) of one panel; acc lives in buf.
 template <int MB, int NB>
-inline void block(const float* x, int64_t ldx, const int8_t* w, int64_t K, const float* scales,
-                  const float* bias, float* y, int64_t ldy, int64_t n) {
+inline void sweep_tile(const float* x, int64_t ldx, const int8_t* panel, int64_t k0, int64_t k1, int g0,
+                       float* buf /* [MB][kPanel] */, bool first) {
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_ps();
-  const int8_t* wr = w + n * K;
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
-    for (int b = 0; b < NB; ++b) {
-      const __m256 wv = load_w8(wr + b * K + k);
-      for (int m = 0; m < MB; ++m) acc[m][b] = _mm256_fmadd_ps(xv[m], wv, acc[m][b]);
+    for (int g = 0; g < NB; ++g)
+      acc[m][g] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + m * kPanel + (g0 + g) * 8);
+  const int8_t* wk = panel + k0 * kPanel + g0 * 8;
+  for (int64_t k = k0; k < k1; ++k, wk += kPanel) {
+    __m256 w[NB];
+    for (int g = 0; g < NB; ++g) w[g] = load_w8(wk + g * 8);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 b = _mm256_broadcast_ss(x + m * ldx + k);
+      for (int g = 0; g < NB; ++g) acc[m][g] = _mm256_fmadd_ps(b, w[g], acc[m][g]);
     }
   }
-  for (int b = 0; b < NB; ++b) {
-    const float s = scales[n + b];
-    const float c = bias ? bias[n + b] : 0.0f;
-    for (int m = 0; m < MB; ++m) y[m * ldy + n + b] = hsum8(acc[m][b]) * s + c;
-  }
-}
-
-// Weight rows chosen so that MB * NB accumulators, MB x vectors and one weight vector fit in the
-// 16 ymm registers, with at least ~6 independent FMA chains.
-template <int MB>
-constexpr int rows_of_w() {
-  return MB == 1 ? 8 : MB == 2 ? 4 : MB == 3 ? 3 : MB <= 5 ? 2 : 1;
+  for (int m = 0; m < MB; ++m)
+    for (int g = 0; g < NB; ++g) _mm256_storeu_ps(buf + m * kPanel + (g0 + g) * 8, acc[m][g]);
 }
 
 template <int MB>
-void rows(const float* x, int64_t ldx, const int8_t* w, int64_t N, int64_t K, const float* scales,
+void rows(const float* x, int64_t ldx, const int8_t* wp, int64_t panels, int64_t K, const float* scales,
           const float* bias, float* y, int64_t ldy) {
-  constexpr int NB = rows_of_w<MB>();
-  const int64_t blocks = N / NB;
-  // ~64 KB of weights per task keeps the two threads' shares even without tiny tasks.
-  const int64_t grain = std::max<int64_t>(1, (65536 / std::max<int64_t>(K, 1)) / NB);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block<MB, NB>(x, ldx, w, K, scales, bias, y, ldy, b * NB);
+  constexpr int NB = groups_per_sweep<MB>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(32) float buf[MB * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* panel = wp + p * K * kPanel;
+      for (int64_t k0 = 0; k0 < K; k0 += kTile) {
+        const int64_t k1 = std::min<int64_t>(K, k0 + kTile);
+        for (int g0 = 0; g0 < kGroups; g0 += NB) sweep_tile<MB, NB>(x, ldx, panel, k0, k1, g0, buf, k0 == 0);
+      }
+      const int64_t n0 = p * kPanel;
+      for (int g = 0; g < kGroups; ++g) {
+        const __m256 s = _mm256_loadu_ps(scales + n0 + g * 8);
+        const __m256 c = bias ? _mm256_loadu_ps(bias + n0 + g * 8) : _mm256_setzero_ps();
+        for (int m = 0; m < MB; ++m)
+          _mm256_storeu_ps(y + m * ldy + n0 + g * 8, _mm256_fmadd_ps(_mm256_loadu_ps(buf + m * kPanel + g * 8), s, c));
+      }
+    }
   });
-  for (int64_t n = blocks * NB; n < N; ++n) block<MB, 1>(x, ldx, w, K, scales, bias, y, ldy, n);
 }
 
-using RowsFn = void (*)(const float*, int64_t, const int8_t*, int64_t, int64_t, const float*,
-                        const float*, float*, int64_t);
+using RowsFn = void (*)(const float*, int64_t, const int8_t*, int64_t, int64_t, const float*, const float*,
+                        float*, int64_t);
 
-constexpr int kMaxRows = 12;
-constexpr RowsFn kRows[kMaxRows + 1] = {nullptr,   rows<1>,  rows<2>, rows<3>, rows<4>,
-                                       rows<5>,   rows<6>,  rows<7>, rows<8>, rows<9>,
-                                       rows<10>,  rows<11>, rows<12>};
+constexpr RowsFn kRows[kMaxRows + 1] = {nullptr,  rows<1>, rows<2>,  rows<3>,  rows<4>,  rows<5>, rows<6>,
+                                       rows<7>,  rows<8>, rows<9>,  rows<10>, rows<11>, rows<12>};
 
 }  // namespace
 
-bool supported() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+int64_t panel_rows() { return kPanel; }
 
 int64_t max_rows_per_pass() { return kMaxRows; }
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+// x [M, K] fp32; wp [P, K, 64] int8 (see the layout above); scales, bias [P * 64] fp32.
+// Returns y [M, P * 64].
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& scales,
                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(supported(), "int8_linear needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "int8_linear runs on the CPU");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "int8_linear: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "int8_linear: x must be float32");
-  TORCH_CHECK(w.scalar_type() == torch::kInt8, "int8_linear: w must be int8");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == w.size(0),
-              "int8_linear: scales must be float32 [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "int8_linear: x has ", K, " columns, w has ", w.size(1));
-  TORCH_CHECK(K % 8 == 0, "int8_linear: in_features must be a multiple of 8, got ", K);
+  TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "int8_linear runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel, "int8_linear: x [M, K] and wp [P, K, 64]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && wp.scalar_type() == torch::kInt8, "int8_linear: fp32 x, int8 wp");
+  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), N = P * kPanel;
+  TORCH_CHECK(wp.size(1) == K, "int8_linear: x has ", K, " columns, the weight ", wp.size(1));
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == N, "int8_linear: scales fp32 [P * 64]");
   const float* bptr = nullptr;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == N, "int8_linear: bias must be float32 [N]");
+    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == N, "int8_linear: bias fp32 [P * 64]");
     bptr = b.data_ptr<float>();
   }
-  const torch::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scales.contiguous();
+  const torch::Tensor xc = x.contiguous(), wc = wp.contiguous(), sc = scales.contiguous();
   torch::Tensor y = torch::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
-  const int8_t* wp = wc.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  // Rows in passes of at most kMaxRows, as even as possible (13 rows: 7 + 6, not 12 + 1).
+  // rows in passes of at most kMaxRows, as even as possible (13 rows: 7 + 6, not 12 + 1)
   const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
   int64_t m0 = 0;
   for (int64_t p = 0; p < passes; ++p) {
     const int64_t mb = (M - m0 + (passes - p) - 1) / (passes - p);
-    kRows[mb](xp + m0 * K, K, wp, N, K, sc.data_ptr<float>(), bptr, yp + m0 * N, N);
+    kRows[mb](xp + m0 * K, K, wc.data_ptr<int8_t>(), P, K, sc.data_ptr<float>(), bptr, yp + m0 * N, N);
     m0 += mb;
   }
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "y = (x w^T) * scales + bias for int8 w, fp32 x (AVX2)");
-  m.def("supported", &supported, "whether this CPU has AVX2 and FMA");
+  m.def("int8_linear", &int8_linear, "y = (x W^T) * scales + bias for a panel-packed int8 W and fp32 x (AVX2)");
+  m.def("panel_rows", &panel_rows, "output rows per weight panel");
   m.def("max_rows_per_pass", &max_rows_per_pass, "rows of x one pass over the weights serves");
 }

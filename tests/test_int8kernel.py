@@ -83,3 +83,15 @@ def test_bad_input_is_named():
         int8kernel.int8_linear(x, packed, s[:4], b)
     with pytest.raises(QuickdraftError, match="int8"):
         int8kernel.pack_weight(w.float())
+
+
+def test_prefill_rows_go_to_the_dequantized_gemm_with_the_same_result():
+    layer = torch.nn.Linear(200, 130)
+    q = Int8Linear.from_linear(layer)
+    x = torch.randn(int8kernel.PREFILL_ROWS + 5, 200)
+    ref = x.double() @ q.dequantized().double().T + layer.bias.detach().double()
+    y = q(x)  # more rows than PREFILL_ROWS: the chunked float32 GEMM (chunks of 1 panel here)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    chunked = int8kernel.dequantized_linear(x, q.weight, q.scales, q.bias, 130, panels_per_chunk=1)
+    torch.testing.assert_close(chunked, y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q(x[:3]).double(), ref[:3], rtol=1e-5, atol=1e-4)  # the kernel

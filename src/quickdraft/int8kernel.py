@@ -27,6 +27,8 @@ from quickdraft.errors import QuickdraftError
 SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
 #: output rows per panel of the packed weight (``kPanel`` in the C++ source)
 PANEL = 64
+#: above this many rows a call goes to :func:`dequantized_linear` (prefill), at or below to the kernel
+PREFILL_ROWS = 48
 #: capabilities (``torch.backends.cpu.get_cpu_capability()``) the kernel runs on
 _CAPABLE = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 
@@ -102,6 +104,30 @@ def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 def pad_rows(v: torch.Tensor, rows: int) -> torch.Tensor:
     """``[N]`` -> ``[rows]`` with zeros after ``N`` (scales and bias to the panels' row count)."""
     return torch.cat([v, v.new_zeros(rows - v.shape[0])]) if rows > v.shape[0] else v.contiguous()
+
+
+def dequantized_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+    out_features: int | None = None, panels_per_chunk: int = 16,
+) -> torch.Tensor:
+    """The same product for many rows (a prompt's prefill): each chunk of panels is converted to a
+    float32 ``[64 · chunk, K]`` weight and multiplied with torch's GEMM, which is compute-efficient
+    where :func:`int8_linear`'s passes of 12 rows are not. Same arguments as :func:`int8_linear`;
+    the sums run in another order, so the last bits can differ from it."""
+    panels, k, _ = packed.shape
+    rows = panels * PANEL
+    y = x.new_empty(x.shape[0], rows)
+    for p0 in range(0, panels, panels_per_chunk):
+        p1 = min(panels, p0 + panels_per_chunk)
+        r0, r1 = p0 * PANEL, p1 * PANEL
+        w = packed[p0:p1].transpose(1, 2).reshape(r1 - r0, k).float().mul_(scales[r0:r1, None])
+        if bias is None:
+            y[:, r0:r1].copy_(x @ w.T)
+        else:
+            y[:, r0:r1].copy_(torch.addmm(bias[r0:r1], x, w.T))
+    if out_features is not None and out_features < rows:
+        y = y[:, :out_features].contiguous()
+    return y
 
 
 def int8_linear(

@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=3, help="prompts per dataset (the first N of each)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--datasets", nargs="+", choices=["humaneval", "mtbench"], default=["humaneval", "mtbench"])
     ap.add_argument("--fixed-k", type=int, nargs="+", default=list(range(1, 11)))
     ap.add_argument("--thresholds", type=float, nargs="+", default=None,
                     help="SpecDec++ h (default: the head's suggested_thresholds, i.e. the best h of the offline "
@@ -151,7 +152,8 @@ def main() -> None:
         if heads[temperature].metadata.temperature != temperature:
             print(f"warning: {path} was trained with labels at T={heads[temperature].metadata.temperature}, "
                   f"used at T={temperature}", flush=True)
-    data = {"humaneval": load_humaneval(args.prompts), "mtbench": load_mtbench(args.prompts)}
+    loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench}
+    data = {name: loaders[name](args.prompts) for name in args.datasets}
     prompt_ids = {ds: [(p.id, pipe.encode_messages(p.messages)) for p in ps] for ds, ps in data.items()}
     configs = {t: configurations(args, heads[t]) for t in args.temperatures}
     names = list(dict.fromkeys(c for t in args.temperatures for c, _ in configs[t]))
@@ -226,7 +228,7 @@ def _write(path: Path, meta: dict, records: list[dict], args) -> None:
     summary: dict = {}
     verdict: dict = {}
     for temperature in args.temperatures:
-        for ds in ("humaneval", "mtbench"):
+        for ds in args.datasets:
             key = f"{ds}@T={temperature}"
             # only prompts every configuration of the cell has finished (a killed run may stop mid-block)
             wanted = meta["configs_by_temperature"][f"{temperature:g}"]

@@ -1,13 +1,13 @@
 """A weight-only int8 matrix kernel for decoding on AVX2 CPUs, compiled on first use.
 
 Torch's own weight-only int8 kernel (``aten._weight_int8pack_mm``) converts the weights again for
-every row of activations, so on a CPU without AVX-512 it costs 2.6× a float32 matmul for one row
-and 13× for five (``benchmarks/results/linear_kernels.json``): speculative verification becomes
-compute-bound. ``csrc/int8_linear.cpp`` converts each block of eight weights once and multiplies
-it into every row (up to 12 per pass), so a verification over a few tokens reads a quarter of the
-float32 bytes and costs about what one token costs. Each output element is computed by the same
-operations whatever the number of rows, so speculative verification is bit-for-bit consistent
-with one-token decoding.
+every row of activations; on this AVX2 CPU it costs 3.2× a packed float32 matmul for one row and
+21× for five (``benchmarks/results/linear_kernels.json``). ``csrc/int8_linear.cpp`` stores the
+weight in 64-row panels read as one stream and converts each block of eight weights once for every
+row of the call (up to 12 per pass): one row streams the int8 weight at about the machine's
+bandwidth (3.5× packed float32), five rows cost 2.5× one row (the conversions and multiply-adds
+then bound it, not the bytes). Each output element is computed by the same operations whatever the
+number of rows, so speculative verification is bit-for-bit consistent with one-token decoding.
 
 The extension is built with ``torch.utils.cpp_extension`` (needs a C++ compiler and ``ninja``) the
 first time :func:`load` is called, and cached by torch under ``~/.cache/torch_extensions``.
@@ -111,9 +111,10 @@ def dequantized_linear(
     out_features: int | None = None, panels_per_chunk: int = 16,
 ) -> torch.Tensor:
     """The same product for many rows (a prompt's prefill): each chunk of panels is converted to a
-    float32 ``[64 · chunk, K]`` weight and multiplied with torch's GEMM, which is compute-efficient
-    where :func:`int8_linear`'s passes of 12 rows are not. Same arguments as :func:`int8_linear`;
-    the sums run in another order, so the last bits can differ from it."""
+    float32 ``[64 · chunk, K]`` weight and multiplied with torch's GEMM, so the cost no longer grows
+    by one pass over the weights per 12 rows (measured: slower than the kernel at 49 rows, level at
+    129; :data:`PREFILL_ROWS` is not tuned). Same arguments as :func:`int8_linear`; the sums run in
+    another order, so the last bits can differ from it."""
     panels, k, _ = packed.shape
     rows = panels * PANEL
     y = x.new_empty(x.shape[0], rows)

@@ -21,7 +21,7 @@ def _operands(m: int, n: int, k: int, seed: int = 0):
 
 
 def _run(x, w, s, b):
-    rows = -(-w.shape[0] // int8kernel.panel_rows()) * int8kernel.panel_rows()
+    rows = -(-w.shape[0] // int8kernel.PANEL) * int8kernel.PANEL
     bias = None if b is None else int8kernel.pad_rows(b, rows)
     return int8kernel.int8_linear(x, int8kernel.pack_weight(w), int8kernel.pad_rows(s, rows), bias, w.shape[0])
 

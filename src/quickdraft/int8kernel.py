@@ -54,7 +54,7 @@ def load() -> ModuleType:
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name="quickdraft_int8_linear",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
@@ -63,6 +63,9 @@ def load() -> ModuleType:
         )
     except (RuntimeError, OSError, ImportError) as exc:  # compiler or ninja missing, build error
         raise QuickdraftError(f"could not build the int8 kernel ({SOURCE.name}): {exc}") from exc
+    if module.panel_rows() != PANEL:  # pack_weight's layout must be the one the C++ reads
+        raise QuickdraftError(f"{SOURCE.name} has panels of {module.panel_rows()} rows, int8kernel.PANEL is {PANEL}")
+    return module
 
 
 @functools.cache
@@ -76,11 +79,6 @@ def available() -> bool:
         warnings.warn(f"{exc}; int8 layers fall back to torch's slower _weight_int8pack_mm", stacklevel=2)
         return False
     return True
-
-
-def panel_rows() -> int:
-    """Output rows per weight panel of the kernel's layout (64)."""
-    return PANEL
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -94,8 +94,6 @@ constexpr RowsFn kRows[kMaxRows + 1] = {nullptr,  rows<1>, rows<2>,  rows<3>,  r
 
 int64_t panel_rows() { return kPanel; }
 
-int64_t max_rows_per_pass() { return kMaxRows; }
-
 // x [M, K] fp32; wp [P, K, 64] int8 (see the layout above); scales, bias [P * 64] fp32.
 // Returns y [M, P * 64].
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wp, const torch::Tensor& scales,
@@ -131,5 +129,4 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wp, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = (x W^T) * scales + bias for a panel-packed int8 W and fp32 x (AVX2)");
   m.def("panel_rows", &panel_rows, "output rows per weight panel");
-  m.def("max_rows_per_pass", &max_rows_per_pass, "rows of x one pass over the weights serves");
 }

@@ -3,11 +3,14 @@
 Torch's own weight-only int8 kernel (``aten._weight_int8pack_mm``) converts the weights again for
 every row of activations; on this AVX2 CPU it costs 3.2× a packed float32 matmul for one row and
 21× for five (``benchmarks/results/linear_kernels.json``). ``csrc/int8_linear.cpp`` stores the
-weight in 64-row panels read as one stream and converts each block of eight weights once for every
-row of the call (up to 12 per pass): one row streams the int8 weight at about the machine's
-bandwidth (3.5× packed float32), five rows cost 2.5× one row (the conversions and multiply-adds
-then bound it, not the bytes). Each output element is computed by the same operations whatever the
-number of rows, so speculative verification is bit-for-bit consistent with one-token decoding.
+weight in 64-row panels read as one stream. Up to 12 rows it converts each block of eight weights
+once, in registers, for every row of the call and prefetches the panel's next tile: one row streams
+the int8 weight at about the machine's bandwidth, five rows cost about twice one row (the
+conversions and multiply-adds then bound it, not the bytes). Beyond 12 rows (prefill) it converts
+each 64 × 64 tile into a float32 buffer once and runs a 6 × 16 register-blocked product over it,
+in passes of at most 48 rows. Each output element is computed by the same operations whatever the
+number of rows, so speculative verification is bit-for-bit consistent with one-token decoding, and
+so is the prefill with the steps that follow it.
 
 The extension is built with ``torch.utils.cpp_extension`` (needs a C++ compiler and ``ninja``) the
 first time :func:`load` is called, and cached by torch under ``~/.cache/torch_extensions``.
@@ -27,8 +30,6 @@ from quickdraft.errors import QuickdraftError
 SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
 #: output rows per panel of the packed weight (``kPanel`` in the C++ source)
 PANEL = 64
-#: above this many rows a call goes to :func:`dequantized_linear` (prefill), at or below to the kernel
-PREFILL_ROWS = 48
 #: capabilities (``torch.backends.cpu.get_cpu_capability()``) the kernel runs on
 _CAPABLE = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 
@@ -104,31 +105,6 @@ def pad_rows(v: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([v, v.new_zeros(rows - v.shape[0])]) if rows > v.shape[0] else v.contiguous()
 
 
-def dequantized_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-    out_features: int | None = None, panels_per_chunk: int = 16,
-) -> torch.Tensor:
-    """The same product for many rows (a prompt's prefill): each chunk of panels is converted to a
-    float32 ``[64 · chunk, K]`` weight and multiplied with torch's GEMM, so the cost no longer grows
-    by one pass over the weights per 12 rows (measured: slower than the kernel at 49 rows, level at
-    129; :data:`PREFILL_ROWS` is not tuned). Same arguments as :func:`int8_linear`; the sums run in
-    another order, so the last bits can differ from it."""
-    panels, k, _ = packed.shape
-    rows = panels * PANEL
-    y = x.new_empty(x.shape[0], rows)
-    for p0 in range(0, panels, panels_per_chunk):
-        p1 = min(panels, p0 + panels_per_chunk)
-        r0, r1 = p0 * PANEL, p1 * PANEL
-        w = packed[p0:p1].transpose(1, 2).reshape(r1 - r0, k).float().mul_(scales[r0:r1, None])
-        if bias is None:
-            y[:, r0:r1].copy_(x @ w.T)
-        else:
-            y[:, r0:r1].copy_(torch.addmm(bias[r0:r1], x, w.T))
-    if out_features is not None and out_features < rows:
-        y = y[:, :out_features].contiguous()
-    return y
-
-
 def int8_linear(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
     out_features: int | None = None,
@@ -136,8 +112,8 @@ def int8_linear(
     """``(x Wᵀ) · scales + bias`` for float32 ``x [M, K]`` and ``W`` in the layout of :func:`pack_weight`.
 
     ``scales`` and ``bias`` have one entry per packed row (``P · 64``, see :func:`pad_rows`); the
-    result keeps the first ``out_features`` columns (default all). Rows are served in passes of at
-    most 12 over the weights, so the kernel is meant for decoding and verification (a few rows).
+    result keeps the first ``out_features`` columns (default all). Any number of rows: up to 12 in
+    one pass of the direct kernel, more in passes of at most 48 of the tiled one.
     """
     if x.dim() != 2 or packed.dim() != 3 or packed.shape[2] != PANEL or x.shape[1] != packed.shape[1]:
         raise QuickdraftError(

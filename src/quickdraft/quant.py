@@ -60,9 +60,9 @@ class Int8Linear(nn.Module):
     """``y = x Ŵᵀ + b`` with ``Ŵ = diag(scales) · weight``, weight int8 ``[N, K]``.
 
     With float32 scales on a CPU where :mod:`quickdraft.int8kernel` runs, the weight is kept only in
-    that kernel's panel layout (``packed``, ``[ceil(N/64), K, 64]``): forwards over at most
-    ``int8kernel.PREFILL_ROWS`` rows (decoding, verification) run the kernel, longer ones (prefill)
-    convert the weight chunk by chunk for torch's GEMM; otherwise it is kept as ``[N, K]`` for torch's ``_weight_int8pack_mm``.
+    that kernel's panel layout (``packed``, ``[ceil(N/64), K, 64]``) and every forward (decoding,
+    verification, prefill) runs the kernel; otherwise it is kept as ``[N, K]`` for torch's
+    ``_weight_int8pack_mm``.
 
     Parameters
     ----------
@@ -114,8 +114,7 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.kernel:
-            fn = int8kernel.int8_linear if x2.shape[0] <= int8kernel.PREFILL_ROWS else int8kernel.dequantized_linear
-            y = fn(x2.float().contiguous(), self.weight, self.scales, self.bias, self.out_features)
+            y = int8kernel.int8_linear(x2.float().contiguous(), self.weight, self.scales, self.bias, self.out_features)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.weight, scales)

@@ -11,6 +11,13 @@
 // fp32 once, broadcasts x[m, k] and accumulates into y[m, 8 rows] for every row m of x, so one
 // conversion serves all rows and no horizontal sums are needed.
 //
+// Two kernels share that layout. Up to 12 rows ("direct"), the weights are converted in registers
+// and used at once, and the next k tile of the panel is prefetched during the first sweep of the
+// current one (measured: one row 0.77 -> 0.56 ms per 1536 x 8960 layer streamed from DRAM). Beyond
+// 12 rows ("tiled", prefill), each 64 x 64 tile of a panel is converted once into an fp32 buffer in
+// L1 and multiplied by a 6-row x 16-column register block, so the conversions no longer repeat per
+// 12 rows; rows go in passes of at most 48.
+//
 // Exactness across row counts: every y[m, n] is one fp32 accumulator updated by fused
 // multiply-adds over k = 0, 1, ..., K - 1 in order (kept in memory between k tiles, which does not
 // change its value), then fma(acc, scale, bias). The number of rows in the call only changes how
@@ -28,7 +35,10 @@ namespace {
 constexpr int kPanel = 64;     // output rows per panel (8 groups of 8)
 constexpr int kGroups = kPanel / 8;
 constexpr int kTile = 256;     // k per tile: the panel's tile (16 KB) stays in L1 across sweeps
-constexpr int kMaxRows = 12;   // rows of x per pass over the weights
+constexpr int kMaxRows = 12;   // rows of x per pass of the direct kernel
+constexpr int kTiledTile = 64; // k per fp32 tile of the tiled kernel: 64 x 64 x 4 B = 16 KB
+constexpr int kTiledRows = 48; // rows of x per pass of the tiled kernel
+constexpr int kBlockRows = 6;  // rows per register block of the tiled kernel (12 accumulators)
 
 inline __m256 load_w8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -41,7 +51,8 @@ constexpr int groups_per_sweep() {
 }
 
 // One k tile [k0, k1) of one sweep (groups g0 .. g0 + NB - 1) of one panel; acc lives in buf.
-template <int MB, int NB>
+// The first sweep of a tile (PF) prefetches the next tile, one 64-byte line per k.
+template <int MB, int NB, bool PF>
 inline void sweep_tile(const float* x, int64_t ldx, const int8_t* panel, int64_t k0, int64_t k1, int g0,
                        float* buf /* [MB][kPanel] */, bool first) {
   __m256 acc[MB][NB];
@@ -50,6 +61,7 @@ inline void sweep_tile(const float* x, int64_t ldx, const int8_t* panel, int64_t
       acc[m][g] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + m * kPanel + (g0 + g) * 8);
   const int8_t* wk = panel + k0 * kPanel + g0 * 8;
   for (int64_t k = k0; k < k1; ++k, wk += kPanel) {
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(wk + kTile * kPanel), _MM_HINT_T0);
     __m256 w[NB];
     for (int g = 0; g < NB; ++g) w[g] = load_w8(wk + g * 8);
     for (int m = 0; m < MB; ++m) {
@@ -59,6 +71,17 @@ inline void sweep_tile(const float* x, int64_t ldx, const int8_t* panel, int64_t
   }
   for (int m = 0; m < MB; ++m)
     for (int g = 0; g < NB; ++g) _mm256_storeu_ps(buf + m * kPanel + (g0 + g) * 8, acc[m][g]);
+}
+
+// y[m, n0 + j] = buf[m][j] * scales[n0 + j] + bias[n0 + j] for the rows and 64 columns of one panel
+inline void store_panel(const float* buf, int64_t rows, int64_t n0, const float* scales, const float* bias, float* y,
+                        int64_t ldy) {
+  for (int g = 0; g < kGroups; ++g) {
+    const __m256 s = _mm256_loadu_ps(scales + n0 + g * 8);
+    const __m256 c = bias ? _mm256_loadu_ps(bias + n0 + g * 8) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < rows; ++m)
+      _mm256_storeu_ps(y + m * ldy + n0 + g * 8, _mm256_fmadd_ps(_mm256_loadu_ps(buf + m * kPanel + g * 8), s, c));
+  }
 }
 
 template <int MB>
@@ -71,15 +94,10 @@ void rows(const float* x, int64_t ldx, const int8_t* wp, int64_t panels, int64_t
       const int8_t* panel = wp + p * K * kPanel;
       for (int64_t k0 = 0; k0 < K; k0 += kTile) {
         const int64_t k1 = std::min<int64_t>(K, k0 + kTile);
-        for (int g0 = 0; g0 < kGroups; g0 += NB) sweep_tile<MB, NB>(x, ldx, panel, k0, k1, g0, buf, k0 == 0);
+        sweep_tile<MB, NB, true>(x, ldx, panel, k0, k1, 0, buf, k0 == 0);
+        for (int g0 = NB; g0 < kGroups; g0 += NB) sweep_tile<MB, NB, false>(x, ldx, panel, k0, k1, g0, buf, k0 == 0);
       }
-      const int64_t n0 = p * kPanel;
-      for (int g = 0; g < kGroups; ++g) {
-        const __m256 s = _mm256_loadu_ps(scales + n0 + g * 8);
-        const __m256 c = bias ? _mm256_loadu_ps(bias + n0 + g * 8) : _mm256_setzero_ps();
-        for (int m = 0; m < MB; ++m)
-          _mm256_storeu_ps(y + m * ldy + n0 + g * 8, _mm256_fmadd_ps(_mm256_loadu_ps(buf + m * kPanel + g * 8), s, c));
-      }
+      store_panel(buf, MB, p * kPanel, scales, bias, y, ldy);
     }
   });
 }
@@ -89,6 +107,75 @@ using RowsFn = void (*)(const float*, int64_t, const int8_t*, int64_t, int64_t, 
 
 constexpr RowsFn kRows[kMaxRows + 1] = {nullptr,  rows<1>, rows<2>,  rows<3>,  rows<4>,  rows<5>, rows<6>,
                                        rows<7>,  rows<8>, rows<9>,  rows<10>, rows<11>, rows<12>};
+
+
+// ---- the tiled kernel (more than kMaxRows rows) ----
+
+// wf[k - k0][r] = panel[k][r] as fp32 for k in [k0, k1)
+inline void convert_tile(const int8_t* panel, int64_t k0, int64_t k1, float* wf) {
+  const int8_t* src = panel + k0 * kPanel;
+  const int64_t n = (k1 - k0) * kPanel;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_store_ps(wf + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    _mm256_store_ps(wf + i + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+  }
+}
+
+// MR rows x 16 columns [c0, c0 + 16) over the kt k of one fp32 tile; accumulators live in buf.
+// (GCC keeps acc in registers only when these loops are unrolled before scalar replacement.)
+template <int MR>
+inline void block(const float* x, int64_t ldx, const float* wf, int64_t kt, int c0, float* buf, bool first) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    acc[m][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + m * kPanel + c0);
+    acc[m][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + m * kPanel + c0 + 8);
+  }
+  const float* w = wf + c0;
+  for (int64_t k = 0; k < kt; ++k, w += kPanel) {
+    const __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 b = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[m][0] = _mm256_fmadd_ps(b, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(b, w1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(buf + m * kPanel + c0, acc[m][0]);
+    _mm256_storeu_ps(buf + m * kPanel + c0 + 8, acc[m][1]);
+  }
+}
+
+using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, int, float*, bool);
+constexpr BlockFn kBlocks[kBlockRows + 1] = {nullptr, block<1>, block<2>, block<3>, block<4>, block<5>, block<6>};
+
+// M (<= kTiledRows) rows, in register blocks of at most kBlockRows as even as possible
+void tiled_rows(const float* x, int64_t M, int64_t ldx, const int8_t* wp, int64_t panels, int64_t K,
+                const float* scales, const float* bias, float* y, int64_t ldy) {
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(32) float buf[kTiledRows * kPanel];
+    alignas(32) float wf[kTiledTile * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* panel = wp + p * K * kPanel;
+      for (int64_t k0 = 0; k0 < K; k0 += kTiledTile) {
+        const int64_t k1 = std::min<int64_t>(K, k0 + kTiledTile);
+        convert_tile(panel, k0, k1, wf);
+        int64_t m0 = 0;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t mr = (M - m0 + (blocks - b) - 1) / (blocks - b);
+          for (int c0 = 0; c0 < kPanel; c0 += 16)
+            kBlocks[mr](x + m0 * ldx + k0, ldx, wf, k1 - k0, c0, buf + m0 * kPanel, k0 == 0);
+          m0 += mr;
+        }
+      }
+      store_panel(buf, M, p * kPanel, scales, bias, y, ldy);
+    }
+  });
+}
 
 }  // namespace
 
@@ -115,12 +202,16 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& wp, const
   torch::Tensor y = torch::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // rows in passes of at most kMaxRows, as even as possible (13 rows: 7 + 6, not 12 + 1)
-  const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
+  if (M <= kMaxRows) {
+    if (M > 0) kRows[M](xp, K, wc.data_ptr<int8_t>(), P, K, sc.data_ptr<float>(), bptr, yp, N);
+    return y;
+  }
+  // rows in passes of at most kTiledRows, as even as possible (49 rows: 25 + 24, not 48 + 1)
+  const int64_t passes = (M + kTiledRows - 1) / kTiledRows;
   int64_t m0 = 0;
   for (int64_t p = 0; p < passes; ++p) {
     const int64_t mb = (M - m0 + (passes - p) - 1) / (passes - p);
-    kRows[mb](xp + m0 * K, K, wc.data_ptr<int8_t>(), P, K, sc.data_ptr<float>(), bptr, yp + m0 * N, N);
+    tiled_rows(xp + m0 * K, mb, K, wc.data_ptr<int8_t>(), P, K, sc.data_ptr<float>(), bptr, yp + m0 * N, N);
     m0 += mb;
   }
   return y;

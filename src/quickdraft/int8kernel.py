@@ -3,12 +3,11 @@
 Torch's own weight-only int8 kernel (``aten._weight_int8pack_mm``) converts the weights again for
 every row of activations; on this AVX2 CPU it costs 3.2× a packed float32 matmul for one row and
 21× for five (``benchmarks/results/linear_kernels.json``). ``csrc/int8_linear.cpp`` stores the
-weight in 64-row panels read as one stream. Up to 12 rows it converts each block of eight weights
-once, in registers, for every row of the call and prefetches the panel's next tile: one row streams
-the int8 weight at about the machine's bandwidth, five rows cost about twice one row (the
-conversions and multiply-adds then bound it, not the bytes). Beyond 12 rows (prefill) it converts
-each 64 × 64 tile into a float32 buffer once and runs a 6 × 16 register-blocked product over it,
-in passes of at most 48 rows. Each output element is computed by the same operations whatever the
+weight in 64-row panels read as one stream, converts each block of eight weights once, in
+registers, for a block of up to 6 rows, and prefetches the panel's next tile: one row streams the
+int8 weight at about the machine's bandwidth, five rows cost about twice one row (the conversions
+and multiply-adds then bound it, not the bytes). Rows go in passes of at most 24 over the weights,
+so prefill runs the same kernel. Each output element is computed by the same operations whatever the
 number of rows, so speculative verification is bit-for-bit consistent with one-token decoding, and
 so is the prefill with the steps that follow it.
 
@@ -112,8 +111,8 @@ def int8_linear(
     """``(x Wᵀ) · scales + bias`` for float32 ``x [M, K]`` and ``W`` in the layout of :func:`pack_weight`.
 
     ``scales`` and ``bias`` have one entry per packed row (``P · 64``, see :func:`pad_rows`); the
-    result keeps the first ``out_features`` columns (default all). Any number of rows: up to 12 in
-    one pass of the direct kernel, more in passes of at most 48 of the tiled one.
+    result keeps the first ``out_features`` columns (default all). Any number of rows, in passes of
+    at most 24 over the weights.
     """
     if x.dim() != 2 or packed.dim() != 3 or packed.shape[2] != PANEL or x.shape[1] != packed.shape[1]:
         raise QuickdraftError(

@@ -1,8 +1,8 @@
 """A weight-only int8 matrix kernel for decoding on AVX2 CPUs, compiled on first use.
 
 Torch's own weight-only int8 kernel (``aten._weight_int8pack_mm``) converts the weights again for
-every row of activations; on this AVX2 CPU it costs 3.2× a packed float32 matmul for one row and
-21× for five (``benchmarks/results/linear_kernels.json``). ``csrc/int8_linear.cpp`` stores the
+every row of activations; on this AVX2 CPU it costs 2.2× a packed float32 matmul for one row and
+11× for five (``benchmarks/results/linear_kernels.json``). ``csrc/int8_linear.cpp`` stores the
 weight in 64-row panels read as one stream, converts each block of eight weights once, in
 registers, for a block of up to 6 rows, and prefetches the panel's next tile: one row streams the
 int8 weight at about the machine's bandwidth, five rows cost about twice one row (the conversions

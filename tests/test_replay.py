@@ -1,0 +1,116 @@
+"""Replay of greedy speculative decoding: the walk's arithmetic, the clairvoyant bound against brute
+force, and exact agreement of replayed step counts with the engine on tiny models."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from quickdraft.drafters import ModelDrafter
+from quickdraft.engine import generate
+from quickdraft.errors import QuickdraftError
+from quickdraft.policies import Confidence, Constant, Heuristic, SpecDecPP
+from quickdraft.replay import StepCost, clairvoyant, draft_chains, walk
+from quickdraft.runner import ModelRunner
+
+from conftest import TINY_VOCAB
+from test_policies import confidence_head, random_head
+
+COST = StepCost(target=(1.0, 1.05, 1.1, 1.2, 1.3, 1.45, 1.6), draft=0.3, overhead=0.02)
+
+
+def test_walk_counts_steps_by_hand():
+    # starts 0..7; k = 3: step at 0 accepts 3 (emits 4) -> 4 accepts 0 -> 5 accepts 2 (emits 3) -> 8 = end
+    match = [5, 0, 0, 0, 0, 2, 0, 0]
+    r = walk(8, match, lambda j: 3, COST)
+    assert (r.steps, r.drafted, r.accepted, r.lengths) == (3, 9, 5, [3, 3, 3])
+    assert r.seconds == pytest.approx(3 * (3 * 0.3 + 1.2 + 0.02))
+    # k = 1: starts 0 (accepts 1) -> 2 -> 3 -> 4 -> 5 (accepts 1) -> 7 -> end
+    r1 = walk(8, match, lambda j: 1)
+    assert (r1.steps, r1.drafted, r1.accepted, r1.seconds) == (6, 6, 2, 0.0)
+
+
+def test_walk_rejects_bad_input():
+    with pytest.raises(QuickdraftError, match="match length"):
+        walk(4, [1, 1], lambda j: 1)
+    with pytest.raises(QuickdraftError, match="at least one token"):
+        walk(2, [0, 0], lambda j: 0)
+    with pytest.raises(QuickdraftError, match="verification"):
+        COST.step(7)
+    with pytest.raises(QuickdraftError, match="positive"):
+        StepCost(target=(), draft=0.1)
+
+
+def _brute_force(n, match, cost, max_k, j=0):
+    if j >= n:
+        return 0.0
+    return min(cost.step(k) + _brute_force(n, match, cost, max_k, j + min(match[j], k) + 1) for k in range(1, max_k + 1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_clairvoyant_equals_brute_force_and_beats_every_fixed_k(seed):
+    rng = random.Random(seed)
+    n, max_k = 9, 4
+    match = [rng.choice([0, 0, 1, 2, 4, 6]) for _ in range(n)]
+    best = clairvoyant(n, match, COST, max_k)
+    assert best.seconds == pytest.approx(_brute_force(n, match, COST, max_k))
+    fixed = [walk(n, match, lambda j, k=k: k, COST).seconds for k in range(1, max_k + 1)]
+    assert best.seconds <= min(fixed) + 1e-12
+    # and it is no better than brute force over every per-start choice (the bound is attained)
+    choices = itertools.product(range(1, max_k + 1), repeat=n)
+    assert min(walk(n, match, lambda j, c=c: c[j], COST).seconds for c in choices) == pytest.approx(best.seconds)
+
+
+def _engine_run(target_model, draft_model, prompt, policy, n):
+    out = generate(ModelRunner(target_model, "target"), [prompt], method="sd",
+                   drafter=ModelDrafter(ModelRunner(draft_model, "draft"), TINY_VOCAB), policy=policy,
+                   max_new_tokens=n)
+    return out.sequences[0], out.batch_metrics
+
+
+def _factories(draft_model):
+    return {
+        "k3": lambda: Constant(3),
+        "confidence": lambda: Confidence(p_min=0.1, max_k=8, output_head=draft_model.lm_head),
+        "specdecpp": lambda: SpecDecPP(random_head(0), threshold=0.5, max_k=8),
+        "specdecpp_stats": lambda: SpecDecPP(
+            confidence_head([1.0, 0.0, 0.0, 1.0], bias=1.0, mean=[0.09, 0, 0, -3.0], std=[0.02, 1, 1, 0.5]),
+            threshold=0.5, max_k=8),
+    }
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3, 4, 5], [9, 10, 11, 12, 13, 14, 15]])
+def test_replay_reproduces_the_engine_step_by_step(tiny_target, tiny_draft, prompt):
+    n, max_k = 40, 8
+    factories = _factories(tiny_draft)
+    output, _ = _engine_run(tiny_target, tiny_draft, prompt, Constant(2), n)
+    table = draft_chains(ModelRunner(tiny_draft, "draft"), prompt, output, factories, max_k, TINY_VOCAB)
+    assert len(table.match) == len(output) == n
+    checked = 0
+    for name, make in factories.items():
+        seq, metrics = _engine_run(tiny_target, tiny_draft, prompt, make(), n)
+        assert seq == output  # greedy: every policy emits the same text
+        r = walk(n, table.match, lambda j, s=table.stops[name]: s[j])
+        assert (r.steps, r.drafted) == (metrics.steps, metrics.drafted_tokens), name
+        # the last step may accept draft tokens beyond the output's end, which the replay cannot see
+        assert metrics.accepted_tokens - r.lengths[-1] <= r.accepted <= metrics.accepted_tokens, name
+        checked += len(set(r.lengths)) > 1
+    assert checked >= 2  # the adaptive policies really varied the length
+    pol = Heuristic(initial_k=2, max_k=8)
+    seq, metrics = _engine_run(tiny_target, tiny_draft, prompt, Heuristic(initial_k=2, max_k=8), n)
+    r = walk(n, table.match, lambda j: pol.begin_step(), update=lambda k, a: pol.update(k, torch.tensor([a])))
+    assert (r.steps, r.drafted) == (metrics.steps, metrics.drafted_tokens)
+
+
+def test_replay_step_counts_differ_when_the_chain_is_wrong(tiny_target, tiny_draft):
+    """Negative control: the replay of one output's chains does not fit another output."""
+    prompt, n = [1, 2, 3, 4, 5], 40
+    output, _ = _engine_run(tiny_target, tiny_draft, prompt, Constant(2), n)
+    other, _ = _engine_run(tiny_target, tiny_draft, [9, 10, 11, 12, 13, 14, 15], Constant(2), n)
+    table = draft_chains(ModelRunner(tiny_draft, "draft"), prompt, other, {"k3": lambda: Constant(3)}, 8, TINY_VOCAB)
+    _, metrics = _engine_run(tiny_target, tiny_draft, prompt, Constant(3), n)
+    r = walk(n, table.match, lambda j: 3)
+    assert (r.steps, r.accepted) != (metrics.steps, metrics.accepted_tokens)

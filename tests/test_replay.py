@@ -13,7 +13,7 @@ from quickdraft.drafters import ModelDrafter
 from quickdraft.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.policies import Confidence, Constant, Heuristic, SpecDecPP
-from quickdraft.replay import StepCost, clairvoyant, draft_chains, walk
+from quickdraft.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, walk
 from quickdraft.runner import ModelRunner
 
 from conftest import TINY_VOCAB
@@ -114,3 +114,14 @@ def test_replay_step_counts_differ_when_the_chain_is_wrong(tiny_target, tiny_dra
     _, metrics = _engine_run(tiny_target, tiny_draft, prompt, Constant(3), n)
     r = walk(n, table.match, lambda j: 3)
     assert (r.steps, r.accepted) != (metrics.steps, metrics.accepted_tokens)
+
+
+def test_measure_step_cost_times_every_size_and_restores_the_caches(tiny_target, tiny_draft):
+    target, draft = ModelRunner(tiny_target, "target"), ModelRunner(tiny_draft, "draft")
+    context = list(range(1, 12))
+    cost = measure_step_cost(target, draft, context, max_k=4, repeats=2)
+    assert len(cost.target) == 5 and min(cost.target) > 0 and cost.draft > 0
+    assert int(target.lengths[0]) == int(draft.lengths[0]) == len(context)
+    cost.step(4)  # a 5-token verification has a time
+    with pytest.raises(QuickdraftError, match="max_k"):
+        measure_step_cost(target, draft, context[:4], max_k=4)

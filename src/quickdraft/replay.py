@@ -232,33 +232,32 @@ def draft_chains(
     return ChainTable(match=match, stops=stops, forwards=forwards)
 
 
-def _time(fn: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
-
-
 def measure_step_cost(target: ModelRunner, draft: ModelRunner, context: Sequence[int], max_k: int,
                       repeats: int = 5) -> StepCost:
     """Median forward times after ``context``: the target over ``m = 1 .. max_k + 1`` tokens and the
-    draft over one token, each rolled back after timing (so every one sees the same cache)."""
-    if len(context) < 2:
-        raise QuickdraftError("measure_step_cost needs a context of at least 2 tokens")
+    draft over one token, each rolled back after timing (so every one sees the same cache). The sizes
+    are timed round-robin, ``repeats`` rounds, so a slow phase of the machine spreads over all."""
+    if len(context) < max_k + 1:
+        raise QuickdraftError(f"measure_step_cost needs a context of at least max_k + 1 = {max_k + 1} tokens")
     ctx = torch.tensor([list(context)], dtype=torch.long)
     for runner in (target, draft):
         runner.reset(1)
         runner.forward(ctx, logits_to_keep=1)
     base = torch.tensor([len(context)])
 
-    def run(runner: ModelRunner, m: int) -> None:
+    def run(runner: ModelRunner, m: int) -> float:
+        t0 = time.perf_counter()
         runner.forward(ctx[:, -m:], logits_to_keep=m)
+        seconds = time.perf_counter() - t0
         runner.truncate(base)
+        return seconds
 
     run(target, 1)
     run(draft, 1)  # warm-up
-    target_times = tuple(_time(lambda m=m: run(target, m), repeats) for m in range(1, max_k + 2))
-    draft_time = _time(lambda: run(draft, 1), repeats)
-    return StepCost(target=target_times, draft=draft_time)
+    target_times: list[list[float]] = [[] for _ in range(max_k + 1)]
+    draft_times: list[float] = []
+    for _ in range(repeats):
+        for m in range(1, max_k + 2):
+            target_times[m - 1].append(run(target, m))
+        draft_times.append(run(draft, 1))
+    return StepCost(target=tuple(median(t) for t in target_times), draft=median(draft_times))

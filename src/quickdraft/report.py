@@ -375,6 +375,37 @@ def plot_adaptive(summary: dict[str, dict[str, dict]], path: str | os.PathLike[s
     return True
 
 
+
+def plot_adaptive_replay(summary: dict[str, dict], path: str | os.PathLike[str]) -> bool:
+    """Modelled tokens/s against the mean draft length per step: fixed K as a line, each threshold
+    family (``confidence_p*``, ``specdecpp_h*``) as a curve over its thresholds, Heuristic and the
+    clairvoyant bound as points; one panel per dataset of ``benchmarks/replay_adaptive.py``'s
+    ``summary`` (``{dataset: {"configs": {name: {...}}}}``). False when nothing to plot."""
+    panels = {ds: s["configs"] for ds, s in summary.items() if s.get("configs")}
+    if not panels:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 4.3), squeeze=False)
+    for ax, (ds, cfgs) in zip(axes[0], sorted(panels.items())):
+        def xy(prefix):
+            pts = sorted((v["mean_draft_len"], v["tokens_per_s"]) for c, v in cfgs.items() if c.startswith(prefix))
+            return [x for x, _ in pts], [y for _, y in pts]
+
+        ax.plot(*xy("fixed_k"), "-o", color="black", ms=4, label="fixed K")
+        ax.plot(*xy("specdecpp_h"), "-s", ms=4, label="SpecDec++ (thresholds)")
+        ax.plot(*xy("confidence_p"), "-^", ms=4, label="Confidence (p_min)")
+        for name, marker in (("heuristic", "D"), ("clairvoyant", "*")):
+            if name in cfgs:
+                ax.plot([cfgs[name]["mean_draft_len"]], [cfgs[name]["tokens_per_s"]], marker, ms=9, ls="none",
+                        label=name)
+        ax.set_title(f"{ds}: T = 0, exact replay", fontsize=9)
+        ax.set_xlabel("mean draft length per step")
+        ax.set_ylabel("modelled decode tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save_figure(plt, fig, path)
+    return True
+
 # ------------------------------------------------------------------------------------------------
 # A run's reports and the README section
 # ------------------------------------------------------------------------------------------------

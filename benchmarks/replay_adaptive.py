@@ -1,0 +1,253 @@
+"""Adaptive draft length at temperature 0, by exact replay (``quickdraft.replay``).
+
+At T = 0 the output does not depend on the draft length, so one greedy output per prompt and the
+draft's greedy chain from every position of it decide the steps, drafted and accepted tokens of
+*every* policy exactly (``tests/test_replay.py`` checks this against the engine). With measured
+forward times (``measure_step_cost``) each run also gets a modelled decode time. This compares
+every fixed K, every threshold of Confidence and SpecDec++, Heuristic and the clairvoyant optimum
+(the best per-step draft length knowing where the draft goes wrong) on more prompts than the
+wall-clock benchmark can afford, without its run-to-run noise, and tells how much any draft-length
+policy could gain over the best fixed K on this pair at all.
+
+Outputs: the T = 0 outputs recorded by ``bench_adaptive.py`` (``--measured``), plus greedy outputs
+generated here for further prompts (``--prompts`` per dataset in total). The measured records also
+validate the replay: replayed steps and drafted tokens against the engine's, and modelled against
+measured tokens/s per configuration.
+
+Selection is honest: besides the in-sample best (best fixed K and best threshold chosen on the same
+prompts, as in the wall-clock benchmark), ``heldout`` chooses K and the threshold on half of the
+prompts and scores them on the other half (two folds: even / odd prompt index).
+
+Re-run with the command stored in the result JSON (``meta.command``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.stats import spearmanr
+
+from quickdraft.datasets import load_humaneval, load_mtbench
+from quickdraft.drafters import ModelDrafter
+from quickdraft.engine import generate
+from quickdraft.head import load_head
+from quickdraft.pipeline import Pipeline
+from quickdraft.policies import Confidence, Constant, Heuristic, SpecDecPP
+from quickdraft.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, walk
+from quickdraft.report import plot_adaptive_replay
+from quickdraft.sampling import SamplingParams
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=10, help="prompts per dataset (the first N of each)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-k", type=int, default=10)
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    ap.add_argument("--p-min", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    ap.add_argument("--head", default="models/heads/specdecpp-qwen2.5-coder-0.5b-t0.pt")
+    ap.add_argument("--measured", default="benchmarks/results/adaptive_default_pair_t0_3prompts.json",
+                    help="bench_adaptive.py result at T = 0 whose outputs are reused and whose records validate")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7, help="timings per forward size (median)")
+    ap.add_argument("--out", default="benchmarks/results/adaptive_replay_t0.json")
+    return ap.parse_args()
+
+
+def policy_factories(args, head, max_k) -> dict:
+    f = {f"confidence_p{p:g}": (lambda p=p: Confidence(p_min=p, max_k=max_k)) for p in args.p_min}
+    f.update({f"specdecpp_h{h:g}": (lambda h=h: SpecDecPP(head, threshold=h, max_k=max_k)) for h in args.thresholds})
+    return f
+
+
+def replay_output(n, table, cost, args) -> dict[str, dict]:
+    runs = {f"fixed_k{k}": walk(n, table.match, lambda j, k=k: k, cost) for k in range(1, args.max_k + 1)}
+    for name, stops in table.stops.items():
+        runs[name] = walk(n, table.match, lambda j, s=stops: s[j], cost)
+    pol = Heuristic(initial_k=4, max_k=args.max_k)  # as bench_adaptive.py
+    runs["heuristic"] = walk(n, table.match, lambda j: pol.begin_step(), cost,
+                             update=lambda k, a: pol.update(k, torch.tensor([a])))
+    runs["clairvoyant"] = clairvoyant(n, table.match, cost, args.max_k)
+    return {name: {**r.as_dict(), "lengths": r.lengths} for name, r in runs.items()}
+
+
+def tokens_per_s(runs: list[dict]) -> float:
+    return sum(r["new_tokens"] for r in runs) / sum(r["seconds"] for r in runs)
+
+
+def best_of(cell: dict[str, float], prefix: str) -> str:
+    return max((n for n in cell if n.startswith(prefix)), key=cell.get)
+
+
+def summarise(outputs: list[dict]) -> dict:
+    names = list(outputs[0]["runs"])
+    cell = {n: tokens_per_s([o["runs"][n] for o in outputs]) for n in names}
+    steps = {n: sum(o["runs"][n]["steps"] for o in outputs) for n in names}
+    new = sum(o["runs"][names[0]]["new_tokens"] for o in outputs)
+    drafted = {n: sum(o["runs"][n]["drafted"] for o in outputs) for n in names}
+    accepted = {n: sum(o["runs"][n]["accepted"] for o in outputs) for n in names}
+    fixed = best_of(cell, "fixed_k")
+    base = cell[fixed]
+    out = {
+        "prompts": len(outputs), "new_tokens": new,
+        "configs": {n: {"tokens_per_s": cell[n], "gain_over_best_fixed": cell[n] / base - 1,
+                        "target_calls_per_token": steps[n] / new,
+                        "discarded_per_token": (drafted[n] - accepted[n]) / new,
+                        "mean_draft_len": drafted[n] / steps[n],
+                        "accepted_per_step": accepted[n] / steps[n]} for n in names},
+        "best_fixed": fixed,
+    }
+    for prefix in ("specdecpp", "confidence"):
+        b = best_of(cell, prefix)
+        out[f"best_{prefix}"] = b
+        out[f"best_{prefix}_gain"] = cell[b] / base - 1
+    out["clairvoyant_gain"] = cell["clairvoyant"] / base - 1
+    out["heuristic_gain"] = cell["heuristic"] / base - 1
+    # held-out: choose on one fold, score on the other
+    folds = [outputs[0::2], outputs[1::2]]
+    held: dict[str, list] = {"specdecpp": [], "confidence": []}
+    if all(folds):
+        for pick, score in ((folds[0], folds[1]), (folds[1], folds[0])):
+            c_pick = {n: tokens_per_s([o["runs"][n] for o in pick]) for n in names}
+            c_score = {n: tokens_per_s([o["runs"][n] for o in score]) for n in names}
+            k = best_of(c_pick, "fixed_k")
+            for prefix in held:
+                b = best_of(c_pick, prefix)
+                held[prefix].append({"chosen_fixed": k, "chosen": b, "gain": c_score[b] / c_score[k] - 1,
+                                     "clairvoyant_gain": c_score["clairvoyant"] / c_score[k] - 1})
+        out["heldout"] = held
+    return out
+
+
+def validate(measured: dict, replays: dict[str, dict]) -> dict:
+    """Replayed vs recorded steps / drafted per (prompt, config); modelled vs measured tokens/s."""
+    exact, total, mismatches = 0, 0, []
+    per_config: dict[str, dict] = {}
+    # per-step overhead (sampling, bookkeeping, cache truncation) fitted on the measured fixed-K runs:
+    # median of (measured - forwards-only model) / steps
+    for rec in measured["records"]:
+        rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
+        if rep is None:
+            continue
+        total += 1
+        same = (rep["steps"], rep["drafted"]) == (rec["steps"], rec["drafted"])
+        exact += same
+        if not same:
+            mismatches.append({"prompt_id": rec["prompt_id"], "config": rec["config"],
+                               "replay": [rep["steps"], rep["drafted"]], "engine": [rec["steps"], rec["drafted"]]})
+        key = f"{rec['dataset']}/{rec['config']}"
+        c = per_config.setdefault(key, {"new": 0, "measured_s": 0.0, "model_s": 0.0})
+        c["new"] += rec["new_tokens"]
+        c["measured_s"] += rec["decode_seconds"]
+        c["model_s"] += rep["seconds"]
+    rows = {k: {"measured_tokens_per_s": c["new"] / c["measured_s"], "model_tokens_per_s": c["new"] / c["model_s"],
+                "model_over_measured": c["measured_s"] / c["model_s"]} for k, c in per_config.items()}
+    out = {"runs_compared": total, "steps_and_drafted_equal": exact, "mismatches": mismatches, "per_config": rows}
+    for ds in {k.split("/")[0] for k in rows}:
+        keys = [k for k in rows if k.startswith(ds + "/")]
+        rho = spearmanr([rows[k]["measured_tokens_per_s"] for k in keys], [rows[k]["model_tokens_per_s"] for k in keys])
+        ratios = [rows[k]["model_over_measured"] for k in keys]
+        out[f"{ds}_spearman"] = float(rho.statistic)
+        out[f"{ds}_model_over_measured_range"] = [min(ratios), max(ratios)]
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    pipe = Pipeline.from_specs("target", "draft", dtype="float32")
+    head = load_head(args.head, draft_name="draft")
+    head.check_draft(pipe.draft_model, "the default draft")
+    measured = json.loads(Path(args.measured).read_text())
+    known = {}
+    for rec in measured["records"]:
+        if rec["temperature"] == 0:
+            known.setdefault(rec["prompt_id"], rec["tokens"])
+    loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench}
+    prompts = {ds: [(p.id, pipe.encode_messages(p.messages)) for p in loaders[ds](args.prompts)] for ds in loaders}
+
+    # one cost model for every replay: forwards after a real prompt
+    ctx = prompts["humaneval"][0][1]
+    cost = measure_step_cost(pipe.target, pipe.draft, ctx, args.max_k, repeats=args.repeats)
+    print(f"step cost: target {['%.3f' % t for t in cost.target]}  draft {cost.draft:.4f}", flush=True)
+
+    residuals = []
+    factories = policy_factories(args, head, args.max_k)
+    outputs: dict[str, list[dict]] = {ds: [] for ds in prompts}
+    replays: dict[str, dict] = {}
+    for ds, plist in prompts.items():
+        for pid, ids in plist:
+            t0 = time.perf_counter()
+            source = "measured"
+            tokens = known.get(pid)
+            if tokens is None:
+                source = "generated"
+                out = generate(pipe.target, [ids], method="sd", drafter=ModelDrafter(pipe.draft, pipe.vocab_size),
+                               policy=Constant(4), sampling=SamplingParams(temperature=0.0),
+                               max_new_tokens=args.max_new_tokens, eos_token_ids=pipe.eos_ids())
+                tokens = out.sequences[0]
+            table = draft_chains(pipe.draft, ids, tokens, factories, args.max_k, pipe.vocab_size)
+            runs = replay_output(len(tokens), table, cost, args)
+            replays[pid] = runs
+            outputs[ds].append({"prompt_id": pid, "source": source, "new_tokens": len(tokens),
+                                "match": table.match, "runs": runs})
+            print(f"[{time.perf_counter() - t_start:6.0f}s] {ds} {pid} ({source}, {len(tokens)} tokens, "
+                  f"{table.forwards} draft forwards, {time.perf_counter() - t0:.0f}s)", flush=True)
+
+    # per-step overhead (sampling, bookkeeping, cache truncation) fitted on the measured fixed-K runs:
+    # median of (measured - forwards-only model) / steps
+    for rec in measured["records"]:
+        rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
+        if rep is not None and rec["config"].startswith("fixed_k"):
+            residuals.append((rec["decode_seconds"] - rep["seconds"]) / rec["steps"])
+    raw_overhead = float(np.median(residuals)) if residuals else 0.0
+    overhead = max(0.0, raw_overhead)
+    cost = StepCost(target=cost.target, draft=cost.draft, overhead=overhead)
+    for ds, outs in outputs.items():  # re-time with the overhead (step counts do not change)
+        for o in outs:
+            for name, r in o["runs"].items():
+                r["seconds"] = sum(cost.step(k) for k in r["lengths"])
+    print(f"per-step overhead fitted on the measured fixed-K runs: {overhead * 1000:.1f} ms", flush=True)
+
+    result = {
+        "meta": {"script": "benchmarks/replay_adaptive.py", "command": "python " + " ".join(sys.argv),
+                 "args": vars(args), "torch": torch.__version__, "dtype": "float32",
+                 "step_cost": {"target_by_tokens": list(cost.target), "draft": cost.draft,
+                               "overhead_per_step": overhead, "overhead_fit_before_clipping": raw_overhead,
+                               "overhead_note": "median over the measured fixed-K runs of (decode seconds - "
+                                                "forwards-only model) / steps"},
+                 "head": {"path": args.head, **head.metadata.__dict__},
+                 "seconds": time.perf_counter() - t_start,
+                 "note": "step counts are exact replays of the engine at T = 0; seconds are modelled from the "
+                         "measured forward times plus the fitted per-step overhead"},
+        "validation": validate(measured, replays),
+        "summary": {ds: summarise(outs) for ds, outs in outputs.items()},
+        "outputs": outputs,
+    }
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    if plot_adaptive_replay(result["summary"], out_path.with_suffix(".png")):
+        print(f"plot: {out_path.with_suffix('.png')}")
+    for ds, s in result["summary"].items():
+        print(f"{ds}: best fixed {s['best_fixed']} {s['configs'][s['best_fixed']]['tokens_per_s']:.2f} tok/s; "
+              f"SpecDec++ {s['best_specdecpp']} {s['best_specdecpp_gain']:+.1%}; "
+              f"Confidence {s['best_confidence']} {s['best_confidence_gain']:+.1%}; "
+              f"Heuristic {s['heuristic_gain']:+.1%}; clairvoyant {s['clairvoyant_gain']:+.1%}")
+        for prefix, folds in s.get("heldout", {}).items():
+            print(f"   held-out {prefix}: " + ", ".join(f"{f['chosen']} vs {f['chosen_fixed']} {f['gain']:+.1%}"
+                                                       for f in folds))
+    v = result["validation"]
+    print(f"validation: {v['steps_and_drafted_equal']}/{v['runs_compared']} runs with equal steps and drafted; "
+          + ", ".join(f"{k} {v[k]:.2f}" for k in v if k.endswith("spearman")))
+
+
+if __name__ == "__main__":
+    main()

@@ -185,10 +185,9 @@ def draft_chains(
     if n == 0:
         return ChainTable(match=[], stops={name: [] for name in policies})
     p = len(prompt)
-    needs_hidden = True
     draft.reset(1)
     full = torch.tensor([list(prompt) + list(output[:-1])], dtype=torch.long)
-    tf = draft.forward(full, logits_to_keep=n, output_hidden=needs_hidden)  # column j predicts output[j]
+    tf = draft.forward(full, logits_to_keep=n, output_hidden=True)  # column j predicts output[j]
     tf_logits = tf.logits[0, :, :vocab_size]
     tf_hidden = tf.hidden[0]
     match: list[int] = []
@@ -223,7 +222,7 @@ def draft_chains(
             if i + 1 == max_k or (not on_output and all(s is not None for s in stopped.values())):
                 break
             block = token.unsqueeze(1) if i else torch.tensor([[context[p + j - 1], int(token)]], dtype=torch.long)
-            out = draft.forward(block, output_hidden=needs_hidden)
+            out = draft.forward(block, output_hidden=True)
             forwards += 1
             logits, hidden = out.logits[:, -1, :vocab_size], out.hidden[:, -1]
         match.append(m)

@@ -129,8 +129,6 @@ def validate(measured: dict, replays: dict[str, dict]) -> dict:
     """Replayed vs recorded steps / drafted per (prompt, config); modelled vs measured tokens/s."""
     exact, total, mismatches = 0, 0, []
     per_config: dict[str, dict] = {}
-    # per-step overhead (sampling, bookkeeping, cache truncation) fitted on the measured fixed-K runs:
-    # median of (measured - forwards-only model) / steps
     for rec in measured["records"]:
         rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
         if rep is None:
@@ -178,7 +176,6 @@ def main() -> None:
     cost = measure_step_cost(pipe.target, pipe.draft, ctx, args.max_k, repeats=args.repeats)
     print(f"step cost: target {['%.3f' % t for t in cost.target]}  draft {cost.draft:.4f}", flush=True)
 
-    residuals = []
     factories = policy_factories(args, head, args.max_k)
     outputs: dict[str, list[dict]] = {ds: [] for ds in prompts}
     replays: dict[str, dict] = {}
@@ -203,6 +200,7 @@ def main() -> None:
 
     # per-step overhead (sampling, bookkeeping, cache truncation) fitted on the measured fixed-K runs:
     # median of (measured - forwards-only model) / steps
+    residuals = []
     for rec in measured["records"]:
         rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
         if rep is not None and rec["config"].startswith("fixed_k"):

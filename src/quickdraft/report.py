@@ -375,7 +375,6 @@ def plot_adaptive(summary: dict[str, dict[str, dict]], path: str | os.PathLike[s
     return True
 
 
-
 def plot_adaptive_replay(summary: dict[str, dict], path: str | os.PathLike[str]) -> bool:
     """Modelled tokens/s against the mean draft length per step: fixed K as a line, each threshold
     family (``confidence_p*``, ``specdecpp_h*``) as a curve over its thresholds, Heuristic and the
@@ -405,6 +404,7 @@ def plot_adaptive_replay(summary: dict[str, dict], path: str | os.PathLike[str])
         ax.legend(fontsize=7)
     _save_figure(plt, fig, path)
     return True
+
 
 # ------------------------------------------------------------------------------------------------
 # A run's reports and the README section

@@ -1,0 +1,398 @@
+"""An OpenVINO backend: :class:`OpenVINORunner` runs an exported IR behind the ``ModelRunner`` interface.
+
+The IR (:mod:`quickdraft.backends.openvino.export`) keeps its KV cache inside the compiled model as
+state variables and takes an explicit 4D attention mask. The runner uses the same bookkeeping as the
+torch runner (:mod:`quickdraft.runner`): the cache holds ``L`` *slots* per row, each either valid
+(a token of the row, at its rotary position) or a *hole*. Because every call passes the full mask,
+
+* a roll-back after a rejection costs nothing: the rejected slots become holes, masked out of every
+  later call, and the runtime never copies the cache;
+* rows of a batch accept different numbers of draft tokens in the same step;
+* a token tree is a block of slots whose mask lets each node see its ancestors; committing a path
+  turns the other nodes into holes.
+
+Holes cost attention reads (not weight reads, which dominate a step on a CPU), so the runner
+compacts the cache — reads every state, keeps the valid slots, writes it back — only when holes
+make up more than half of the slots (and at least :attr:`OpenVINORunner.compact_min_holes`).
+
+Sampling, verification and every acceptance rule stay in torch, on the logits this backend
+returns: a lossless method is lossless with respect to *this* backend's distributions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.runner import ForwardOutput
+from quickdraft.sampling import check_finite
+
+from .export import EXPORT_MANIFEST, MODEL_XML
+
+#: additive mask value of a slot a token must not see
+_BLOCKED = np.float32(-np.inf)
+
+
+def import_openvino():
+    """The ``openvino`` module, or a :class:`QuickdraftError` saying how to install it."""
+    try:
+        import openvino  # noqa: PLC0415
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise QuickdraftError(f"the openvino backend needs OpenVINO: pip install 'quickdraft[openvino]' ({err})") from None
+    return openvino
+
+
+def is_available() -> bool:
+    """Whether ``openvino`` (and ``nncf``, for exports) can be imported."""
+    try:
+        import nncf  # noqa: F401, PLC0415
+        import openvino  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+_CORE = None
+
+
+def core():
+    """One ``openvino.Core`` per process (compiled models share its CPU executor)."""
+    global _CORE
+    if _CORE is None:
+        _CORE = import_openvino().Core()
+    return _CORE
+
+
+def compile_config(n_threads: int, kv_cache_precision: str | None = None) -> dict:
+    """CPU plugin settings: one stream, ``n_threads`` inference threads, latency hint; the KV cache
+    precision is the plugin's default unless given (``f32``, ``f16``, ``u8``)."""
+    config = {"INFERENCE_NUM_THREADS": int(n_threads), "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
+    if kv_cache_precision:
+        config["KV_CACHE_PRECISION"] = kv_cache_precision
+    return config
+
+
+class OpenVINORunner:
+    """The ``ModelRunner`` interface over an OpenVINO export.
+
+    Parameters
+    ----------
+    path:
+        The export directory (``openvino_model.xml`` with its ``config.json``).
+    name:
+        Used in error messages ("target", "draft").
+    n_threads:
+        Inference threads of the CPU plugin (default: torch's thread count).
+    kv_cache_precision:
+        ``f32``, ``f16`` or ``u8`` (default: the plugin's choice, ``u8`` on x86 CPUs in OpenVINO 2026).
+    vocab_size:
+        Width of the returned logits (default: the config's ``vocab_size``).
+
+    Attributes
+    ----------
+    lengths:
+        ``[B]`` int64 valid tokens per row.
+    slot_pos:
+        ``[B, L]`` int64 position of the token in each cache slot, ``-1`` for a hole.
+    num_forwards:
+        Inference calls made through :meth:`forward` / :meth:`forward_tree`.
+    model:
+        A stand-in with ``config`` (the Hugging Face config) and ``generation_config``.
+    """
+
+    #: compaction waits until at least this many slots are holes
+    compact_min_holes = 256
+
+    def __init__(self, path: str | os.PathLike[str], name: str = "model", *, n_threads: int | None = None,
+                 kv_cache_precision: str | None = None, vocab_size: int | None = None) -> None:
+        from transformers import AutoConfig, GenerationConfig
+
+        path = Path(path)
+        if not (path / MODEL_XML).is_file():
+            raise QuickdraftError(f"{name}: no OpenVINO export in {path} ({MODEL_XML} missing); "
+                                  "run `quickdraft models install` or `quickdraft models export`")
+        self.path = path
+        self.name = name
+        self.device = torch.device("cpu")
+        config = AutoConfig.from_pretrained(path)
+        generation_config = None
+        if (path / "generation_config.json").is_file():
+            generation_config = GenerationConfig.from_pretrained(path)
+        self.vocab_size = int(vocab_size or config.vocab_size)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
+        self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path))
+        manifest = path / EXPORT_MANIFEST
+        self.export_info = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        threads = n_threads or max(1, torch.get_num_threads())
+        self.compiled = core().compile_model(str(path / MODEL_XML), "CPU", compile_config(threads, kv_cache_precision))
+        self.request = self.compiled.create_infer_request()
+        self._states = list(self.request.query_state())
+        if not self._states:
+            raise QuickdraftError(f"{name}: the OpenVINO model in {path} is not stateful; export it again")
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self._kv = (kv_heads, head_dim)
+        self.num_forwards = 0
+        self.reset(0)
+
+    # -- state -----------------------------------------------------------------------------------
+    def reset(self, batch_size: int) -> None:
+        """Empty the cache for ``batch_size`` rows."""
+        self._set_states([np.zeros((batch_size, *self._kv[:1], 0, self._kv[1]), np.float32)] * len(self._states))
+        self.slot_pos = torch.empty(batch_size, 0, dtype=torch.long)  # [B, L], -1 = hole
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [B]
+        self.tree_start: int | None = None
+
+    def _set_states(self, arrays: list[np.ndarray]) -> None:
+        ov = import_openvino()
+        for state, array in zip(self._states, arrays):
+            state.state = ov.Tensor(np.ascontiguousarray(array))
+
+    def _get_states(self) -> list[np.ndarray]:
+        return [np.array(state.state.data, copy=True) for state in self._states]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.slot_pos.shape[0])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.slot_pos.shape[1])
+
+    @property
+    def num_holes(self) -> int:
+        return int((self.slot_pos < 0).sum()) // max(1, self.batch_size)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _infer(self, tokens: torch.Tensor, positions: torch.Tensor, mask: np.ndarray, keep: int,
+               output_hidden: bool) -> ForwardOutput:
+        m = tokens.shape[1]
+        feed = {
+            "input_ids": tokens.to(torch.long).numpy(),
+            "attention_mask": mask,
+            "position_ids": positions.to(torch.long).numpy(),
+            "logits_index": np.arange(m - keep, m, dtype=np.int64),
+        }
+        self.request.infer(feed)
+        self.num_forwards += 1
+        logits = torch.from_numpy(np.array(self.request.get_tensor("logits").data, copy=True))  # [B, keep, V']
+        if logits.shape[-1] != self.vocab_size:
+            logits = _fit_vocab(logits, self.vocab_size)
+        hidden = None
+        if output_hidden:
+            hidden = torch.from_numpy(np.array(self.request.get_tensor("hidden").data, copy=True))  # [B, keep, H]
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _check_overflow(self, positions: torch.Tensor) -> None:
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise QuickdraftError(
+                f"{self.name}: context overflow: position {int(positions.max())} exceeds the model's "
+                f"maximum of {self.max_positions} tokens; shorten the prompt or max_new_tokens"
+            )
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        *,
+        logits_to_keep: int = 0,
+        output_hidden: bool = False,
+    ) -> ForwardOutput:
+        """Append a block of tokens to every row and return their logits.
+
+        Parameters
+        ----------
+        tokens:
+            ``[B, m]`` int64 token ids.
+        valid:
+            ``[B, m]`` bool; ``False`` marks left padding inside the block.
+        logits_to_keep:
+            Return logits for the last ``logits_to_keep`` columns only (0 = all ``m``); the head runs
+            on those columns alone.
+        output_hidden:
+            Also return the final hidden states of the same columns.
+        """
+        if tokens.dim() != 2:
+            raise QuickdraftError(f"{self.name}: tokens must be [B, m], got shape {tuple(tokens.shape)}")
+        b, m = tokens.shape
+        if b != self.batch_size:
+            raise QuickdraftError(f"{self.name}: batch of {b} rows, cache has {self.batch_size}")
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: forward() while a tree session is open; commit_tree() first")
+        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
+        positions = self.lengths.unsqueeze(1) + (valid.long().cumsum(dim=-1) - 1).clamp_min(0)  # [B, m]
+        self._check_overflow(positions)
+        keep = m if logits_to_keep <= 0 else min(int(logits_to_keep), m)
+        # [B, 1, m, L + m]: every valid committed slot, then the block's valid tokens causally;
+        # a token always sees itself, so no row of the softmax is empty (padding rows included)
+        past_visible = (self.slot_pos >= 0).unsqueeze(1).expand(b, m, -1)  # [B, m, L]
+        causal = torch.ones(m, m, dtype=torch.bool).tril()
+        block = causal.unsqueeze(0) & valid.unsqueeze(1)  # [B, m, m]
+        block |= torch.eye(m, dtype=torch.bool).unsqueeze(0)
+        mask = _additive(torch.cat([past_visible, block], dim=2))
+        out = self._infer(tokens, positions, mask, keep, output_hidden)
+        self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], dim=1)
+        self.lengths = self.lengths + valid.long().sum(dim=-1)
+        live = valid[:, -1]
+        check_finite(out.logits[live], f"the {self.name} model")
+        return out
+
+    # -- token trees -----------------------------------------------------------------------------
+    def begin_tree(self) -> None:
+        """Open a tree session: later :meth:`forward_tree` calls append to one tree block."""
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: a tree session is already open")
+        self.tree_start = self.num_slots
+
+    @property
+    def tree_size(self) -> int:
+        """Slots in the open tree block (0 without a session)."""
+        return 0 if self.tree_start is None else self.num_slots - self.tree_start
+
+    def forward_tree(
+        self,
+        tokens: torch.Tensor,
+        depths: torch.Tensor,
+        tree_mask: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        *,
+        output_hidden: bool = False,
+    ) -> ForwardOutput:
+        """Append ``m`` tree nodes per row to the open tree block and return all their logits.
+
+        Same contract as :meth:`quickdraft.runner.ModelRunner.forward_tree`: ``depths [B, m]``
+        (a node's position is ``lengths + depth``), ``tree_mask [B, m, T + m]`` over the tree block
+        (``T`` = :attr:`tree_size` before the call), ``valid [B, m]``.
+        """
+        if self.tree_start is None:
+            raise QuickdraftError(f"{self.name}: forward_tree needs begin_tree() first")
+        b, m = tokens.shape
+        t = self.tree_size
+        if b != self.batch_size:
+            raise QuickdraftError(f"{self.name}: batch of {b} rows, cache has {self.batch_size}")
+        if depths.shape != (b, m) or tree_mask.shape != (b, m, t + m):
+            raise QuickdraftError(
+                f"{self.name}: forward_tree needs depths [B={b}, m={m}] and tree_mask [B, m, {t + m}], got "
+                f"{tuple(depths.shape)} and {tuple(tree_mask.shape)}"
+            )
+        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
+        positions = self.lengths.unsqueeze(1) + depths.cpu().long()  # [B, m]
+        self._check_overflow(positions)
+        prefix_visible = (self.slot_pos[:, : self.tree_start] >= 0).unsqueeze(1).expand(b, m, -1)  # [B, m, P]
+        block = tree_mask.cpu().to(torch.bool).clone()  # [B, m, T + m]
+        block[:, :, :t] &= (self.slot_pos[:, self.tree_start:] >= 0).unsqueeze(1)
+        block[:, :, t:] &= valid.unsqueeze(1)
+        block[:, :, t:] |= torch.eye(m, dtype=torch.bool)
+        mask = _additive(torch.cat([prefix_visible, block], dim=2))
+        out = self._infer(tokens, positions, mask, m, output_hidden)
+        self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], dim=1)
+        check_finite(out.logits[valid], f"the {self.name} model")
+        return out
+
+    def commit_tree(self, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Close the tree session, keeping one root-to-node path of tree-block slots per row.
+
+        ``keep [B, P]``: tree-block slot indices in path order; row ``b`` keeps its first
+        ``counts[b]``. The other slots of the block become holes (no copy); ``lengths += counts``.
+        """
+        if self.tree_start is None:
+            raise QuickdraftError(f"{self.name}: commit_tree without an open tree session")
+        start, b = self.tree_start, self.batch_size
+        keep = keep.cpu().long().reshape(b, -1)
+        counts = counts.cpu().long()
+        width = int(counts.max()) if b else 0
+        keep = keep[:, :width]
+        cols = torch.arange(width).unsqueeze(0)
+        live = cols < counts.unsqueeze(1)  # [B, P]
+        if width and (keep[live].min() < 0 or keep[live].max() >= self.tree_size):
+            raise QuickdraftError(f"{self.name}: commit_tree slot index outside the tree block")
+        index = torch.where(live, keep, 0)
+        block_pos = self.slot_pos[:, start:]
+        kept_pos = block_pos.gather(1, index)
+        if bool((live & (kept_pos != self.lengths.unsqueeze(1) + cols)).any()):
+            raise QuickdraftError(f"{self.name}: commit_tree must keep a root-to-node path (consecutive positions)")
+        kept = torch.zeros_like(block_pos, dtype=torch.bool)
+        kept.scatter_(1, index, live)
+        self.slot_pos = torch.cat([self.slot_pos[:, :start], torch.where(kept, block_pos, -1)], dim=1)
+        self.lengths = self.lengths + counts
+        self.tree_start = None
+        self._maybe_compact()
+
+    # -- roll-back -------------------------------------------------------------------------------
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        """Roll every row back to its first ``new_lengths[row]`` tokens (``[B]`` int64): the slots
+        after them become holes."""
+        new_lengths = new_lengths.cpu().long()
+        if (new_lengths > self.lengths).any():
+            raise QuickdraftError(f"{self.name}: cannot truncate a row beyond its length")
+        self.slot_pos = torch.where(self.slot_pos < new_lengths.unsqueeze(1), self.slot_pos, -1)
+        self.lengths = new_lengths.clone()
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        holes = self.num_holes
+        if holes >= self.compact_min_holes and 2 * holes > self.num_slots:
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop the holes: keep each row's valid slots (in slot order), left-padded with holes to
+        the longest row. One read and one write of every state variable."""
+        b = self.batch_size
+        valid = self.slot_pos >= 0  # [B, L]
+        width = int(valid.sum(dim=1).max()) if b else 0
+        if width == self.num_slots:
+            return
+        # stable order: holes first, then the valid slots in their order; keep the last `width`
+        order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)[:, self.num_slots - width:]  # [B, W]
+        index = order.numpy()
+        states = self._get_states()
+        compacted = [np.take_along_axis(s, index[:, None, :, None], axis=2) for s in states]
+        self._set_states(compacted)
+        self.slot_pos = self.slot_pos.gather(1, order)
+
+    # -- rows ------------------------------------------------------------------------------------
+    def add_rows(self, n: int) -> None:
+        """Append ``n`` empty rows (their slots are holes) to the batch."""
+        if n <= 0:
+            return
+        states = self._get_states()
+        self._set_states([np.concatenate([s, np.zeros((n, *s.shape[1:]), s.dtype)], axis=0) for s in states])
+        self.slot_pos = torch.cat([self.slot_pos, torch.full((n, self.num_slots), -1, dtype=torch.long)], dim=0)
+        self.lengths = torch.cat([self.lengths, torch.zeros(n, dtype=torch.long)])
+
+    def remove_rows(self, rows: list[int] | torch.Tensor) -> None:
+        """Drop the given rows from the batch (the others keep their order)."""
+        drop = set(int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows))
+        keep = [r for r in range(self.batch_size) if r not in drop]
+        states = self._get_states()
+        self._set_states([s[keep] for s in states])
+        self.slot_pos = self.slot_pos[keep]
+        self.lengths = self.lengths[keep]
+        used = (self.slot_pos >= 0).any(dim=0)
+        if self.batch_size == 0 or not bool(used.any()):
+            self.reset(self.batch_size)
+
+    def close(self) -> None:
+        self.request = None
+        self.compiled = None
+
+
+def _additive(allowed: torch.Tensor) -> np.ndarray:
+    """``[B, m, L]`` bool -> ``[B, 1, m, L]`` float32 additive mask (0 where allowed, -inf elsewhere)."""
+    mask = np.where(allowed.numpy(), np.float32(0.0), _BLOCKED).astype(np.float32)
+    return mask[:, None]
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    width = logits.shape[-1]
+    if width > vocab_size:
+        return logits[..., :vocab_size]
+    pad = torch.full((*logits.shape[:-1], vocab_size - width), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

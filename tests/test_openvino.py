@@ -1,0 +1,261 @@
+"""The OpenVINO backend on tiny models: the exported graph against the torch model, the runner's
+cache bookkeeping (holes, compaction, trees, rows), and every chain method's greedy output equal to
+the same backend's plain greedy output; the goodness-of-fit test of the lossless rule through it."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from quickdraft.backends.openvino import is_available
+
+if not is_available():  # pragma: no cover - depends on the environment
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must run the OpenVINO backend's tests: openvino/nncf are not importable")
+    pytest.skip("openvino and nncf are not installed (pip install 'quickdraft[openvino]')", allow_module_level=True)
+
+from quickdraft.backends.openvino import OpenVINORunner  # noqa: E402
+from quickdraft.backends.openvino.export import export, is_exported  # noqa: E402
+from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter  # noqa: E402
+from quickdraft.engine import generate  # noqa: E402
+from quickdraft.errors import QuickdraftError  # noqa: E402
+from quickdraft.policies import Confidence, Constant  # noqa: E402
+from quickdraft.rules import Fuzzy, Lossless, Typical  # noqa: E402
+from quickdraft.runner import ModelRunner  # noqa: E402
+from quickdraft.sampling import SamplingParams  # noqa: E402
+
+from conftest import tiny_lm  # noqa: E402
+
+
+def _save(model, path):
+    model.config._attn_implementation = "sdpa"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ov_models(tmp_path_factory, tiny_target, tiny_draft):
+    """Float32 exports (no weight compression: exact comparisons) of the tiny target and draft."""
+    root = tmp_path_factory.mktemp("ov")
+    target_dir = export(_save(tiny_target, root / "target_hf"), root / "target_ov", "none", progress=False)
+    draft_dir = export(_save(tiny_draft, root / "draft_hf"), root / "draft_ov", "none", progress=False)
+    return target_dir, draft_dir
+
+
+def _runner(path, name="target"):
+    return OpenVINORunner(path, name, n_threads=1, kv_cache_precision="f32")
+
+
+def test_export_is_complete_and_stateful(ov_models):
+    target_dir, _ = ov_models
+    assert is_exported(target_dir)
+    runner = _runner(target_dir)
+    assert len(runner._states) == 2 * runner.model.config.num_hidden_layers
+
+
+def test_logits_match_torch_with_padding_rollback_and_holes(ov_models, tiny_target):
+    """The same calls on both runners give the same logits: a left-padded batch prefill, a verify
+    block, a per-row roll-back (holes in row 1), then another block."""
+    ov_runner, torch_runner = _runner(ov_models[0]), ModelRunner(tiny_target, "target")
+    g = torch.Generator().manual_seed(0)
+    for runner in (ov_runner, torch_runner):
+        runner.reset(2)
+    tokens = torch.randint(0, 64, (2, 6), generator=g)
+    valid = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+    block = torch.randint(0, 64, (2, 4), generator=g)
+    nxt = torch.randint(0, 64, (2, 3), generator=g)
+    outs = []
+    for runner in (ov_runner, torch_runner):
+        a = runner.forward(tokens, valid).logits
+        b = runner.forward(block, logits_to_keep=4).logits
+        runner.truncate(torch.tensor([10, 6]))  # row 0 keeps its block, row 1 drops all 4 tokens
+        c = runner.forward(nxt, logits_to_keep=2).logits
+        outs.append((a, b, c, runner.lengths.clone()))
+    # padding columns carry no meaning on either backend; compare the real tokens' logits
+    assert torch.allclose(outs[0][0][valid], outs[1][0][valid], atol=1e-4)
+    for x, y in zip(outs[0][1:3], outs[1][1:3]):
+        assert torch.allclose(x, y, atol=1e-4), (x - y).abs().max()
+    assert torch.equal(outs[0][3], outs[1][3])
+    assert ov_runner.num_holes == 2  # row 1's four rolled-back slots, the batch shares L
+
+
+def test_one_token_steps_equal_one_block(ov_models):
+    """Decoding token by token gives the logits of one block forward (float32 KV cache): the
+    backend's verification agrees with its own plain decoding."""
+    runner = _runner(ov_models[0])
+    ids = torch.tensor([[3, 9, 27, 4, 11, 50, 7, 2]])
+    runner.reset(1)
+    block = runner.forward(ids).logits  # [1, 8, V]
+    runner.reset(1)
+    steps = torch.cat([runner.forward(ids[:, i:i + 1]).logits for i in range(ids.shape[1])], dim=1)
+    assert torch.allclose(block, steps, atol=1e-5)
+    assert torch.equal(block.argmax(-1), steps.argmax(-1))
+
+
+def test_compaction_keeps_the_logits(ov_models):
+    runner = _runner(ov_models[0])
+    runner.compact_min_holes = 1
+    ids = torch.tensor([[5, 6, 7, 8]])
+    runner.reset(1)
+    runner.forward(ids)
+    runner.forward(torch.tensor([[1, 2, 3, 4, 5, 6]]))
+    runner.truncate(torch.tensor([5]))  # 5 holes out of 10 slots: not yet more than half
+    assert runner.num_slots == 10
+    runner.forward(torch.tensor([[9, 9]]))
+    runner.truncate(torch.tensor([5]))  # 7 holes of 12: compacts
+    assert runner.num_slots == 5 and runner.num_holes == 0
+    after = runner.forward(torch.tensor([[17]])).logits
+    reference = _runner(ov_models[0])
+    reference.reset(1)
+    expect = reference.forward(torch.tensor([[5, 6, 7, 8, 1, 17]])).logits[:, -1:]
+    assert torch.allclose(after, expect, atol=1e-5)
+
+
+def test_rows_can_join_and_leave(ov_models):
+    runner, alone = _runner(ov_models[0]), _runner(ov_models[0])
+    runner.reset(1)
+    runner.forward(torch.tensor([[1, 2, 3]]))
+    runner.add_rows(1)
+    assert runner.batch_size == 2 and runner.lengths.tolist() == [3, 0]
+    out = runner.forward(torch.tensor([[4, 7], [8, 9]]), logits_to_keep=1).logits
+    alone.reset(1)
+    expect = alone.forward(torch.tensor([[8, 9]]), logits_to_keep=1).logits
+    assert torch.allclose(out[1], expect[0], atol=1e-5)
+    runner.remove_rows([0])
+    assert runner.batch_size == 1 and runner.lengths.tolist() == [2]
+    again = runner.forward(torch.tensor([[10]])).logits
+    expect = alone.forward(torch.tensor([[10]])).logits
+    assert torch.allclose(again, expect, atol=1e-5)
+
+
+def test_tree_forward_matches_the_torch_runner(ov_models, tiny_target):
+    """A tree block (root -> {a, b}, a -> {c}) and a commit of the path root, a, c."""
+    tokens = torch.tensor([[10, 11, 12, 13]])
+    depths = torch.tensor([[0, 1, 1, 2]])
+    mask = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+    results = []
+    for runner in (_runner(ov_models[0]), ModelRunner(tiny_target, "target")):
+        runner.reset(1)
+        runner.forward(torch.tensor([[1, 2, 3]]))
+        runner.begin_tree()
+        tree = runner.forward_tree(tokens, depths, mask).logits
+        runner.commit_tree(torch.tensor([[0, 1, 3]]), torch.tensor([3]))
+        after = runner.forward(torch.tensor([[20]])).logits
+        results.append((tree, after, runner.lengths.clone()))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-4)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-4)
+    assert results[0][2].tolist() == results[1][2].tolist() == [7]
+
+
+def test_bad_calls_give_clear_errors(ov_models, tmp_path):
+    runner = _runner(ov_models[0])
+    runner.reset(1)
+    with pytest.raises(QuickdraftError, match="batch of 2 rows"):
+        runner.forward(torch.zeros(2, 1, dtype=torch.long))
+    runner.forward(torch.tensor([[1, 2]]))
+    with pytest.raises(QuickdraftError, match="beyond its length"):
+        runner.truncate(torch.tensor([5]))
+    with pytest.raises(QuickdraftError, match="no OpenVINO export"):
+        OpenVINORunner(tmp_path, "target")
+
+
+def _methods(target_dir, draft_dir):
+    draft = _runner(draft_dir, "draft")
+    return {
+        "sd": ModelDrafter(draft, 64),
+        "ngram": NGramDrafter(64),
+        "ngram_sd": NGramModelDrafter(NGramDrafter(64, max_ngram=4, min_ngram=2), ModelDrafter(draft, 64)),
+    }
+
+
+@pytest.mark.parametrize("policy", [Constant(4), Constant(1), Confidence(max_k=6, p_min=0.4)], ids=["k4", "k1", "confidence"])
+def test_greedy_speculative_equals_plain_greedy(ov_models, policy):
+    """Every chain method's greedy output equals the same backend's plain greedy output, token for
+    token (float32 weights and KV cache), on a batch of three prompts of different lengths."""
+    target = _runner(ov_models[0])
+    prompts = [[1, 5, 9, 2, 7], [3, 3, 3, 8], [11, 4, 6, 1, 2, 9, 30, 31]]
+    plain = generate(target, prompts, method="ar", max_new_tokens=40, seed=0).sequences
+    for method, drafter in _methods(*ov_models).items():
+        out = generate(target, prompts, method=method, drafter=drafter, policy=policy, max_new_tokens=40, seed=0)
+        assert out.sequences == plain, method
+        assert out.batch_metrics.target_forwards < 3 * 40  # it did speculate
+
+
+def test_lossless_sampling_matches_the_target_distribution(ov_models):
+    """Goodness of fit through the OpenVINO runners: the first two tokens after a fixed prompt,
+    sampled by `sd` with the lossless rule at T = 0.8, against the exact two-token distribution of
+    the target (computed from the same backend's logits); a draft-distributed sampler (the
+    negative control) must fail the same test."""
+    from scipy import stats
+
+    target, draft = _runner(ov_models[0]), _runner(ov_models[1], "draft")
+    sampling = SamplingParams(temperature=0.8)
+    prompt = [4, 17, 9]
+
+    def two_token_probs(runner):
+        runner.reset(1)
+        first = torch.softmax(runner.forward(torch.tensor([prompt])).logits[0, -1] / 0.8, -1)  # [V]
+        joint = torch.zeros(64, 64)
+        for t in range(64):
+            runner.reset(1)
+            second = torch.softmax(runner.forward(torch.tensor([prompt + [t]])).logits[0, -1] / 0.8, -1)
+            joint[t] = first[t] * second
+        return joint.flatten()
+
+    exact = two_token_probs(target)
+    n = 2000
+    prompts = [prompt] * 200
+    counts = torch.zeros(64 * 64)
+    for seed in range(n // len(prompts)):
+        out = generate(target, prompts, method="sd", drafter=ModelDrafter(draft, 64), rule=Lossless(),
+                       policy=Constant(3), sampling=sampling, max_new_tokens=2, seed=seed)
+        for seq in out.sequences:
+            counts[seq[0] * 64 + seq[1]] += 1
+
+    def pvalue(observed, probs):
+        # merge the cells whose expected count is below 5 into one
+        expected = probs * n
+        big = expected >= 5
+        obs = torch.cat([observed[big], observed[~big].sum().unsqueeze(0)]).numpy()
+        exp = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)]).numpy()
+        exp = exp * obs.sum() / exp.sum()
+        return stats.chisquare(obs, exp).pvalue
+
+    assert pvalue(counts, exact) > 1e-3
+    wrong = two_token_probs(draft)  # the draft's distribution: what a sampler that skips verification gives
+    rng = np.random.default_rng(0)
+    control = torch.from_numpy(np.bincount(rng.choice(64 * 64, size=n, p=(wrong / wrong.sum()).numpy()), minlength=64 * 64)).float()
+    assert pvalue(control, exact) < 1e-3
+
+
+def test_fuzzy_rules_run_on_openvino(ov_models):
+    """FSD and typical acceptance run through the backend; a higher FSD threshold accepts more."""
+    target = _runner(ov_models[0])
+    prompts = [[1, 5, 9, 2, 7], [3, 3, 3, 8]]
+    lengths = []
+    for threshold in (0.0, 0.5):
+        out = generate(target, prompts, method="sd", drafter=ModelDrafter(_runner(ov_models[1], "draft"), 64),
+                       rule=Fuzzy(divergence="tv", threshold=threshold), sampling=SamplingParams(temperature=0.7),
+                       max_new_tokens=40, seed=0)
+        lengths.append(out.batch_metrics.mean_acceptance_length)
+    assert lengths[1] > lengths[0]
+    out = generate(target, prompts, method="sd", drafter=ModelDrafter(_runner(ov_models[1], "draft"), 64),
+                   rule=Typical(), sampling=SamplingParams(temperature=0.7), max_new_tokens=20, seed=0)
+    assert all(len(s) == 20 for s in out.sequences)
+
+
+def test_int8_export_runs_close_to_float(tmp_path, tiny_target):
+    """The default int8 compression: same greedy continuation as float32 on a tiny model for the
+    first tokens, logits close."""
+    model = tiny_lm(seed=3, layers=2)
+    hf = _save(model, tmp_path / "hf")
+    f32 = _runner(export(hf, tmp_path / "f32", "none", progress=False))
+    i8 = _runner(export(hf, tmp_path / "i8", "int8", progress=False))
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    f32.reset(1)
+    i8.reset(1)
+    a, b = f32.forward(ids).logits, i8.forward(ids).logits
+    assert (a - b).abs().max() < 0.05 * a.abs().max()

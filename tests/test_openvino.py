@@ -259,3 +259,34 @@ def test_int8_export_runs_close_to_float(tmp_path, tiny_target):
     i8.reset(1)
     a, b = f32.forward(ids).logits, i8.forward(ids).logits
     assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_openvino_genai_anchor_agrees_with_our_engine(ov_models, tmp_path, tiny_target, tiny_draft):
+    """OpenVINO GenAI (the benchmark's anchor) on GenAI-layout exports of the same float32 weights:
+    its plain greedy output and its speculative greedy output equal our engine's plain greedy
+    output on the engine-layout export."""
+    pytest.importorskip("openvino_genai")
+    from quickdraft.anchors import openvino_genai_generate, openvino_genai_pipeline
+
+    hf_t, hf_d = _save(tiny_target, tmp_path / "t"), _save(tiny_draft, tmp_path / "d")
+    tok = _tokenizer_files(hf_t), _tokenizer_files(hf_d)
+    assert all(tok)
+    genai_t = export(hf_t, tmp_path / "gt", "none", layout="genai", progress=False)
+    genai_d = export(hf_d, tmp_path / "gd", "none", layout="genai", progress=False)
+    prompt = [1, 5, 9, 2, 7]
+    ours = generate(_runner(ov_models[0]), [prompt], method="ar", max_new_tokens=24, seed=0).sequences[0]
+    plain = openvino_genai_pipeline(genai_t, n_threads=1)
+    res = openvino_genai_generate(plain, prompt, sampling=SamplingParams(), max_new_tokens=24, eos_token_ids={63})
+    assert res.new_ids == ours[: len(res.new_ids)] and len(res.new_ids) >= 1
+    spec = openvino_genai_pipeline(genai_t, genai_d, n_threads=1)
+    res_sd = openvino_genai_generate(spec, prompt, sampling=SamplingParams(), max_new_tokens=24, eos_token_ids={63},
+                                     num_assistant_tokens=4)
+    assert res_sd.new_ids == res.new_ids
+
+
+def _tokenizer_files(hf_dir):
+    """Give a tiny model directory the word-level tokenizer of the tests (GenAI loads one)."""
+    from conftest import word_tokenizer
+
+    word_tokenizer().save_pretrained(hf_dir)
+    return (hf_dir / "tokenizer.json").is_file()

@@ -114,3 +114,57 @@ def llamacpp_generate(
         if own:
             gguf.close()
     return AnchorResult(new_ids=new_ids, seconds=seconds)
+
+
+def openvino_genai_pipeline(target_dir, draft_dir=None, *, n_threads: int | None = None):
+    """An OpenVINO GenAI ``LLMPipeline`` over GenAI-layout exports
+    (:func:`quickdraft.backends.openvino.export.export` with ``layout="genai"``); with ``draft_dir``
+    it runs GenAI's own speculative decoding. Needs ``openvino-genai`` (``quickdraft[openvino]``)."""
+    try:
+        import openvino_genai
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        from quickdraft.errors import QuickdraftError
+
+        raise QuickdraftError(f"the OpenVINO GenAI anchors need openvino-genai: pip install 'quickdraft[openvino]' ({err})") from None
+    properties = {"INFERENCE_NUM_THREADS": int(n_threads or torch.get_num_threads())}
+    if draft_dir is None:
+        return openvino_genai.LLMPipeline(str(target_dir), "CPU", **properties)
+    draft = openvino_genai.draft_model(str(draft_dir), "CPU", **properties)
+    return openvino_genai.LLMPipeline(str(target_dir), "CPU", draft_model=draft, **properties)
+
+
+def openvino_genai_generate(
+    pipeline,
+    prompt_ids: list[int],
+    *,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    eos_token_ids: set[int],
+    seed: int = 0,
+    num_assistant_tokens: int | None = None,
+) -> AnchorResult:
+    """OpenVINO GenAI's ``generate`` on token ids: plain decoding, or its speculative decoding with
+    ``num_assistant_tokens`` draft tokens per step (a pipeline made with a draft model)."""
+    import numpy as np
+    import openvino
+    import openvino_genai
+
+    config = openvino_genai.GenerationConfig()
+    config.max_new_tokens = int(max_new_tokens)
+    config.stop_token_ids = set(int(t) for t in eos_token_ids)
+    if sampling.greedy:
+        config.do_sample = False
+    else:
+        config.do_sample = True
+        config.temperature = float(sampling.temperature)
+        config.top_p = float(sampling.top_p)
+        config.top_k = int(sampling.top_k or 0)
+        config.rng_seed = int(seed)
+    if num_assistant_tokens:
+        config.num_assistant_tokens = int(num_assistant_tokens)
+    ids = openvino.Tensor(np.asarray([prompt_ids], dtype=np.int64))
+    start = time.perf_counter()
+    out = pipeline.generate(ids, config)
+    seconds = time.perf_counter() - start
+    new_ids = [int(t) for t in out.tokens[0]]
+    return AnchorResult(new_ids=new_ids, seconds=seconds)

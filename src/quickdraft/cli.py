@@ -52,8 +52,12 @@ def generate(
     dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
     draft_dtype: Optional[str] = typer.Option(
         None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
-    backend: str = typer.Option("torch", help="torch, or llamacpp (runs the GGUF files; needs quickdraft[llamacpp])."),
-    quantize: str = typer.Option("none", help="torch backend: none, int8 or int4 weight-only linear layers."),
+    backend: str = typer.Option(
+        "torch", help="torch; openvino (OpenVINO exports of the models, made once; needs quickdraft[openvino]); "
+        "or llamacpp (runs the GGUF files; needs quickdraft[llamacpp])."),
+    quantize: str = typer.Option(
+        "auto", help="Weights: auto (torch: as loaded; openvino: int8), none, int8 or int4 (torch: weight-only "
+        "linear layers; openvino: NNCF weight compression)."),
     quantize_draft: Optional[str] = typer.Option(
         None, help="Override --quantize for the draft alone (e.g. int4: lossless methods stay exact)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),

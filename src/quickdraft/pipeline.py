@@ -71,15 +71,17 @@ class Pipeline:
     @classmethod
     def from_specs(
         cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
-        backend: str = "torch", quantize: str = "none", quantize_draft: str | None = None,
+        backend: str = "torch", quantize: str = "auto", quantize_draft: str | None = None,
         pack: bool | None = None, draft_dtype: str | None = None,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
         ``backend="llamacpp"`` runs both models' GGUF files through llama.cpp
-        (:mod:`quickdraft.backends.llamacpp`, batch size 1); ``quantize`` (``none``, ``int8``,
-        ``int4``) swaps the torch models' linear layers for weight-only quantised ones
-        (:mod:`quickdraft.quant`); ``quantize_draft`` overrides it for the draft alone (default: the
+        (:mod:`quickdraft.backends.llamacpp`, batch size 1); ``backend="openvino"`` runs OpenVINO
+        exports of both models (:mod:`quickdraft.backends.openvino`, made once into the cache entry),
+        with NNCF weight compression ``quantize`` (``auto`` = ``int8``, ``int4``, ``none``). On the
+        torch backend ``quantize`` (``auto`` = ``none``, ``int8``, ``int4``) swaps the models' linear
+        layers for weight-only quantised ones (:mod:`quickdraft.quant`); ``quantize_draft`` overrides it for the draft alone (default: the
         same as ``quantize``). Quantising only the draft keeps every lossless method exactly
         target-distributed — the target's weights are untouched — while each draft step reads
         about a quarter of the bytes (``docs/performance.md``). ``pack`` puts the fp32 linear layers
@@ -98,8 +100,14 @@ class Pipeline:
         if quantize_draft is None:
             quantize_draft = quantize
         for what, name in (("quantize", quantize), ("quantize_draft", quantize_draft)):
-            if name not in QUANTIZE_NAMES:
-                raise QuickdraftError(f"unknown {what} {name!r}; choose one of {', '.join(QUANTIZE_NAMES)}")
+            if name != "auto" and name not in QUANTIZE_NAMES:
+                raise QuickdraftError(f"unknown {what} {name!r}; choose one of auto, {', '.join(QUANTIZE_NAMES)}")
+        # auto: the backend's default weights (torch: as loaded; openvino: int8; llamacpp: the GGUF's)
+        auto = "int8" if backend == "openvino" else "none"
+        quantize = auto if quantize == "auto" else quantize
+        quantize_draft = auto if quantize_draft == "auto" else quantize_draft
+        if backend == "openvino":
+            return cls._from_openvino(target, draft, quantize, quantize_draft)
         if backend == "llamacpp":
             if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
@@ -128,6 +136,24 @@ class Pipeline:
             quantize_by_name(draft_model, quantize_draft)
             maybe_pack(draft_model, pack)
         return cls(target_model, tokenizer, draft_model)
+
+    @classmethod
+    def _from_openvino(cls, target: str, draft: str | None, quantize: str, quantize_draft: str) -> "Pipeline":
+        """Both models as OpenVINO exports; ``quantize`` / ``quantize_draft`` pick the NNCF weight
+        format (``int8``, ``int4``, or ``none``: float32)."""
+        from quickdraft.backends.openvino import load_openvino
+        from quickdraft.models import check_compatible
+
+        target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize)
+        draft_runner = None
+        if draft is not None:
+            draft_runner, draft_tokenizer = load_openvino(
+                draft, "draft", weight_format=quantize_draft, vocab_size=target_runner.vocab_size)
+            check_compatible(tokenizer, draft_tokenizer, target_runner.model, draft_runner.model)
+        return cls(
+            target_runner.model, tokenizer, draft_runner.model if draft_runner else None,
+            target_runner=target_runner, draft_runner=draft_runner,
+        )
 
     # -- text <-> ids ----------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:

@@ -12,13 +12,17 @@ and every acceptance rule then run on it unchanged.
 ``llamacpp``
     :class:`quickdraft.backends.llamacpp.LlamaCppRunner` over a GGUF file through
     ``llama-cpp-python``'s low-level API (``pip install 'quickdraft[llamacpp]'``).
+``openvino``
+    :class:`quickdraft.backends.openvino.OpenVINORunner` over an OpenVINO IR exported from the
+    Hugging Face model (int8 weights by default), KV cache kept in the runtime
+    (``pip install 'quickdraft[openvino]'``).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-BackendName = Literal["torch", "llamacpp"]
-BACKEND_NAMES: tuple[str, ...] = ("torch", "llamacpp")
+BackendName = Literal["torch", "llamacpp", "openvino"]
+BACKEND_NAMES: tuple[str, ...] = ("torch", "llamacpp", "openvino")
 
 __all__ = ["BACKEND_NAMES", "BackendName"]

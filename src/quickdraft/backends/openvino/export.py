@@ -53,14 +53,30 @@ def _check_format(weight_format: str) -> None:
         raise QuickdraftError(f"unknown OpenVINO weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
-def _decoder_wrapper(model):
-    """A ``torch.nn.Module`` whose forward takes the cache as flat tensors and returns the present
-    cache flat, so that ``openvino.convert_model`` can trace it (``DynamicCache`` is filled by hand,
-    not through ``update``, whose lazy first concatenation does not trace)."""
-    import torch
+def _fill_cache(config, past):
+    """A ``DynamicCache`` holding ``past`` (flat key, value per layer), filled by hand: ``update``'s
+    lazy first concatenation with an empty tensor does not trace."""
     from transformers import DynamicCache
 
-    num_layers = int(model.config.num_hidden_layers)
+    cache = DynamicCache(config=config)
+    for i in range(int(config.num_hidden_layers)):
+        layer = cache.layers[i]
+        layer.device = past[0].device
+        layer.keys, layer.values = past[2 * i], past[2 * i + 1]
+        layer.is_initialized = True
+    return cache
+
+
+def _flat_present(out) -> list:
+    present = []
+    for layer in out.past_key_values.layers:
+        present += [layer.keys, layer.values]
+    return present
+
+
+def _engine_wrapper(model):
+    """quickdraft's interface: 4D additive mask, logits and hidden states of chosen columns only."""
+    import torch
 
     class Decoder(torch.nn.Module):
         def __init__(self) -> None:
@@ -68,22 +84,32 @@ def _decoder_wrapper(model):
             self.model = model
 
         def forward(self, input_ids, attention_mask, position_ids, logits_index, *past):
-            cache = DynamicCache(config=self.model.config)
-            for i in range(num_layers):
-                layer = cache.layers[i]
-                layer.device = past[0].device
-                layer.keys, layer.values = past[2 * i], past[2 * i + 1]
-                layer.is_initialized = True
             out = self.model.model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                cache=cache, use_cache=True,
+                cache=_fill_cache(self.model.config, past), use_cache=True,
             )
             hidden = out.last_hidden_state.index_select(1, logits_index)  # [B, n, H]
             logits = self.model.lm_head(hidden).float()  # [B, n, V]
-            present = []
-            for layer in out.past_key_values.layers:
-                present += [layer.keys, layer.values]
-            return (logits, hidden.float(), *present)
+            return (logits, hidden.float(), *_flat_present(out))
+
+    return Decoder()
+
+
+def _genai_wrapper(model):
+    """OpenVINO GenAI's interface: 2D padding mask, logits of every column."""
+    import torch
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                cache=_fill_cache(self.model.config, past), use_cache=True,
+            )
+            return (out.logits.float(), *_flat_present(out))
 
     return Decoder()
 
@@ -95,48 +121,77 @@ def _kv_shape(config) -> tuple[int, int]:
     return kv_heads, head_dim
 
 
-def trace_decoder(model):
-    """``openvino.Model`` of ``model`` (a ``transformers`` causal LM in float32, eval mode) with the
-    stateless interface: inputs ``input_ids, attention_mask, position_ids, logits_index,
-    past.{i}.key, past.{i}.value``; outputs ``logits, hidden, present.{i}.key, present.{i}.value``."""
+def trace_decoder(model, layout: str = "engine"):
+    """``openvino.Model`` of ``model`` (a ``transformers`` causal LM in float32, eval mode), stateless.
+
+    ``layout="engine"``: inputs ``input_ids, attention_mask [B, 1, m, L+m], position_ids,
+    logits_index, past.{i}.key, past.{i}.value``; outputs ``logits, hidden, present.{i}.*``.
+    ``layout="genai"``: inputs ``input_ids, attention_mask [B, L+m], position_ids,
+    past_key_values.{i}.key/value``; outputs ``logits, present.{i}.key/value`` (optimum-intel's names).
+    """
     import openvino as ov
     import torch
 
     config = model.config
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
-        config._attn_implementation = "sdpa"
+    config._attn_implementation = "sdpa"
     num_layers = int(config.num_hidden_layers)
     kv_heads, head_dim = _kv_shape(config)
     b, past_len, m = 1, 3, 2
     past = [torch.zeros(b, kv_heads, past_len, head_dim) for _ in range(2 * num_layers)]
-    mask = torch.zeros(b, 1, m, past_len + m)
-    mask[:, :, :, past_len:] = torch.triu(torch.full((m, m), float("-inf")), 1)
-    example = (
-        torch.zeros(b, m, dtype=torch.long), mask,
-        torch.arange(past_len, past_len + m).unsqueeze(0), torch.arange(m, dtype=torch.long), *past,
-    )
-    wrapper = _decoder_wrapper(model).eval()
-    with torch.inference_mode(False), torch.no_grad():
-        ov_model = ov.convert_model(wrapper, example_input=example)
-    names = ["input_ids", "attention_mask", "position_ids", "logits_index"]
-    names += [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
-    for port, name in zip(ov_model.inputs, names):
+    positions = torch.arange(past_len, past_len + m).unsqueeze(0)
+    if layout == "engine":
+        mask = torch.zeros(b, 1, m, past_len + m)
+        mask[:, :, :, past_len:] = torch.triu(torch.full((m, m), float("-inf")), 1)
+        example = (torch.zeros(b, m, dtype=torch.long), mask, positions, torch.arange(m, dtype=torch.long), *past)
+        wrapper = _engine_wrapper(model)
+        names = ["input_ids", "attention_mask", "position_ids", "logits_index"]
+        past_names = [f"past.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+        outs = ["logits", "hidden"]
+        mask_shape = ov.PartialShape([-1, 1, -1, -1])
+    elif layout == "genai":
+        example = (torch.zeros(b, m, dtype=torch.long), torch.ones(b, past_len + m, dtype=torch.long), positions, *past)
+        wrapper = _genai_wrapper(model)
+        names = ["input_ids", "attention_mask", "position_ids"]
+        past_names = [f"past_key_values.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+        outs = ["logits"]
+        mask_shape = ov.PartialShape([-1, -1])
+    else:
+        raise QuickdraftError(f"unknown OpenVINO graph layout {layout!r}")
+    with torch.no_grad():
+        ov_model = ov.convert_model(wrapper.eval(), example_input=example)
+    for port, name in zip(ov_model.inputs, names + past_names):
         port.get_tensor().set_names({name})
-    outs = ["logits", "hidden"] + [f"present.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+    outs += [f"present.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
     for port, name in zip(ov_model.outputs, outs):
         port.get_tensor().set_names({name})
     # batch and sequence axes dynamic; heads and head_dim static (the plugin's SDPA fusions want them)
-    shapes = {
-        "input_ids": ov.PartialShape([-1, -1]),
-        "attention_mask": ov.PartialShape([-1, 1, -1, -1]),
-        "position_ids": ov.PartialShape([-1, -1]),
-        "logits_index": ov.PartialShape([-1]),
-    }
-    for i in range(num_layers):
-        for kind in ("key", "value"):
-            shapes[f"past.{i}.{kind}"] = ov.PartialShape([-1, kv_heads, -1, head_dim])
+    shapes = {"input_ids": ov.PartialShape([-1, -1]), "attention_mask": mask_shape,
+              "position_ids": ov.PartialShape([-1, -1])}
+    if layout == "engine":
+        shapes["logits_index"] = ov.PartialShape([-1])
+    for name in past_names:
+        shapes[name] = ov.PartialShape([-1, kv_heads, -1, head_dim])
     ov_model.reshape(shapes)
     return ov_model
+
+
+def add_beam_idx(ov_model) -> None:
+    """GenAI's cache reorder input: ``beam_idx [B]`` gathers every past tensor's rows (in place),
+    as optimum-intel's stateful exports have it."""
+    import openvino as ov
+
+    beam_idx = ov.opset13.parameter(ov.PartialShape([-1]), ov.Type.i32, name="beam_idx")
+    beam_idx.output(0).get_tensor().set_names({"beam_idx"})
+    axis = ov.opset13.constant(0, ov.Type.i64)
+    for param in ov_model.get_parameters():
+        if not param.get_output_tensor(0).get_any_name().startswith("past_key_values."):
+            continue
+        consumers = list(param.output(0).get_target_inputs())
+        gathered = ov.opset13.gather(param, beam_idx, axis)
+        for consumer in consumers:
+            consumer.replace_source_output(gathered.output(0))
+    ov_model.add_parameters([beam_idx])
+    ov_model.validate_nodes_and_infer_types()
 
 
 def make_stateful(ov_model) -> None:
@@ -146,8 +201,9 @@ def make_stateful(ov_model) -> None:
     pairs = {}
     for port in ov_model.inputs:
         name = port.get_any_name()
-        if name.startswith("past."):
-            pairs[name] = "present." + name.removeprefix("past.")
+        for prefix in ("past.", "past_key_values."):
+            if name.startswith(prefix):
+                pairs[name] = "present." + name.removeprefix(prefix)
     apply_make_stateful_transformation(ov_model, pairs)
 
 
@@ -164,10 +220,14 @@ def compress(ov_model, weight_format: str):
     return nncf.compress_weights(ov_model, mode=nncf.CompressWeightsMode.INT4_ASYM, group_size=128, ratio=1.0)
 
 
-def export_dir_name(weight_format: str) -> str:
-    """Sub-directory of a cache entry that holds its OpenVINO export in ``weight_format``."""
+Layout = Literal["engine", "genai"]
+
+
+def export_dir_name(weight_format: str, layout: str = "engine") -> str:
+    """Sub-directory of a cache entry that holds its OpenVINO export in ``weight_format``
+    (``openvino-int8``; the GenAI layout: ``openvino-genai-int8``)."""
     _check_format(weight_format)
-    return f"openvino-{weight_format}"
+    return f"openvino-{weight_format}" if layout == "engine" else f"openvino-{layout}-{weight_format}"
 
 
 def is_exported(out_dir: str | Path) -> bool:
@@ -193,10 +253,14 @@ def _load_float32(model_dir: Path):
     return model.eval()
 
 
-def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int8", *, progress: bool = True) -> Path:
+def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int8", *,
+           layout: str = "engine", progress: bool = True) -> Path:
     """Export the Hugging Face model in ``model_dir`` to ``out_dir`` (stateful, weights compressed).
 
-    The write is atomic: the files go to a temporary sibling directory that is renamed into place
+    ``layout="engine"`` is the IR :class:`~quickdraft.backends.openvino.runner.OpenVINORunner` runs;
+    ``layout="genai"`` the one OpenVINO GenAI's ``LLMPipeline`` runs (with ``beam_idx`` and the
+    tokenizer and detokenizer IRs of ``openvino_tokenizers``), from the same float32 weights and
+    the same compression. The write is atomic: the files go to a temporary sibling directory that is renamed into place
     once complete, with a manifest recording the graph version, the weight format and the size of
     the weights file (checked by :func:`is_exported`). Returns ``out_dir``.
     """
@@ -213,10 +277,12 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
     if progress:
         print(f"  OpenVINO export of {model_dir.name} ({weight_format}): tracing ...", flush=True)
     model = _load_float32(model_dir)
-    ov_model = trace_decoder(model)
+    ov_model = trace_decoder(model, layout)
     config = model.config
     del model
     gc.collect()
+    if layout == "genai":
+        add_beam_idx(ov_model)
     make_stateful(ov_model)
     if progress:
         print(f"  OpenVINO export of {model_dir.name} ({weight_format}): compressing weights ...", flush=True)
@@ -227,8 +293,11 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, tmp / name)
+    if layout == "genai":
+        _save_tokenizer_irs(model_dir, tmp)
     info = {
         "graph_version": GRAPH_VERSION,
+        "layout": layout,
         "weight_format": weight_format,
         "source": str(model_dir),
         "num_layers": int(config.num_hidden_layers),
@@ -242,3 +311,14 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
     if progress:
         print(f"  OpenVINO export of {model_dir.name} ({weight_format}): done in {info['seconds']} s", flush=True)
     return out_dir
+
+
+def _save_tokenizer_irs(model_dir: Path, out_dir: Path) -> None:
+    """``openvino_tokenizer.xml`` / ``openvino_detokenizer.xml``, which GenAI's pipelines load."""
+    import openvino as ov
+    from openvino_tokenizers import convert_tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer, detokenizer = convert_tokenizer(AutoTokenizer.from_pretrained(model_dir), with_detokenizer=True)
+    ov.save_model(tokenizer, out_dir / "openvino_tokenizer.xml")
+    ov.save_model(detokenizer, out_dir / "openvino_detokenizer.xml")

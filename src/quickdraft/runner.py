@@ -283,6 +283,85 @@ class ModelRunner:
         self.tree_start = None
         self.truncate(self.lengths)  # crops the slots that are holes in every row
 
+    # -- rows ------------------------------------------------------------------------------------
+    # Continuous batching: rows join (``add_rows``) and leave (``remove_rows``) between forwards. A new
+    # row starts with every existing slot a hole; its tokens are appended by the next ``forward``.
+
+    def _cache_layers(self):
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None \
+                    and layer.keys.dim() == 4:
+                yield layer
+
+    def add_rows(self, n: int) -> None:
+        """Append ``n`` empty rows (all their slots are holes) to the batch."""
+        if n <= 0:
+            return
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: add_rows while a tree session is open")
+        for layer in self._cache_layers():
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                setattr(layer, name, torch.cat([states, states.new_zeros((n, *states.shape[1:]))], dim=0))
+        self.slot_pos = torch.cat(
+            [self.slot_pos, torch.full((n, self.num_slots), -1, dtype=torch.long, device=self.device)], dim=0)
+        self.lengths = torch.cat([self.lengths, torch.zeros(n, dtype=torch.long, device=self.device)])
+
+    def remove_rows(self, rows: list[int] | torch.Tensor) -> None:
+        """Drop the given rows from the batch (the others keep their order), then the slots that
+        are holes in every remaining row."""
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: remove_rows while a tree session is open")
+        drop = {int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)}
+        keep = torch.tensor([r for r in range(self.batch_size) if r not in drop], dtype=torch.long,
+                            device=self.device)
+        for layer in self._cache_layers():
+            for name in ("keys", "values"):
+                setattr(layer, name, getattr(layer, name).index_select(0, keep))
+        self.slot_pos = self.slot_pos.index_select(0, keep)
+        self.lengths = self.lengths.index_select(0, keep)
+        self.compact(all_hole_only=True)
+
+    @property
+    def num_holes(self) -> int:
+        """Slots that are holes, summed over rows."""
+        return int((self.slot_pos < 0).sum())
+
+    def compact(self, all_hole_only: bool = False) -> None:
+        """Drop holes from the cache: every row keeps its valid slots in order, right-aligned and
+        left-padded with holes to the longest row (one gather per layer).
+
+        Parameters
+        ----------
+        all_hole_only:
+            Only drop the slots that are holes in every row (a slice when they lead or trail).
+        """
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: compact while a tree session is open")
+        valid = self.slot_pos >= 0  # [B, L]
+        if all_hole_only:
+            used = valid.any(dim=0)
+            if bool(used.all()):
+                return
+            index = used.nonzero().squeeze(1)
+            for layer in self._cache_layers():
+                for name in ("keys", "values"):
+                    setattr(layer, name, getattr(layer, name).index_select(2, index))
+            self.slot_pos = self.slot_pos.index_select(1, index)
+            return
+        width = int(valid.sum(dim=1).max()) if self.batch_size else 0
+        if width == self.num_slots:
+            return
+        # stable order: holes first, then the valid slots in their order; keep the last `width`
+        order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)[:, self.num_slots - width:]  # [B, W]
+        b = self.batch_size
+        for layer in self._cache_layers():
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # [B, H, L, D]
+                idx = order.view(b, 1, width, 1).expand(-1, states.shape[1], -1, states.shape[-1])
+                setattr(layer, name, states.gather(2, idx))
+        self.slot_pos = self.slot_pos.gather(1, order)
+
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll every row back to its first ``new_lengths[row]`` tokens (``[B]`` int64)."""
         new_lengths = new_lengths.to(self.device)

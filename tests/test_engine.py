@@ -173,8 +173,9 @@ def _two_token_counts(sequences):
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=10, top_p=0.9)])
 def test_speculative_sampling_end_to_end_matches_the_target(tiny_target, params):
-    """40,000 two-token continuations drawn through the whole engine in one batch (K = 3, a
-    draft that disagrees often) follow the target's exact joint distribution; the same test on a
+    """40,000 two-token continuations drawn through the whole engine in one batch (K = 3, which the
+    two-token budget cuts to one draft token and, after a rejection, a plain step; a draft that
+    disagrees often) follow the target's exact joint distribution; the same test on a
     deliberately broken rule (accept every draft) must fail. (The rule-level goodness-of-fit tests
     with >= 100,000 samples are in test_rules.py; this one checks the engine's plumbing: drafts
     drawn from the distributions handed to the verifier, residuals, bonus tokens, roll-back.)"""
@@ -224,3 +225,51 @@ def test_nan_logits_are_reported(tiny_target):
         broken.lm_head.weight.fill_(float("nan"))
     with pytest.raises(QuickdraftError, match="NaN logits"):
         generate(ModelRunner(broken, "target"), [[1, 2]], method="ar", max_new_tokens=2)
+
+
+def test_draft_length_is_capped_by_the_tokens_left(tiny_target, tiny_draft):
+    """A draft of 50 tokens for a 4-token budget drafts at most 3 per step (the 4th is the bonus),
+    and the greedy text is that of plain decoding."""
+    target = ModelRunner(tiny_target)
+    plain = generate(target, PROMPTS, method="ar", max_new_tokens=4)
+    drafter = ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB)
+    out = generate(target, PROMPTS, method="sd", drafter=drafter, policy=Constant(50), max_new_tokens=4)
+    assert out.sequences == plain.sequences
+    m = out.batch_metrics
+    assert m.draft_forwards <= 3 * m.target_forwards
+    assert m.draft_forwards <= 3 + 2 + 1  # 3 drafts, then at most 2, then 1, then a plain step
+    # a one-token budget is one plain step: no draft forward at all
+    one = generate(target, PROMPTS, method="sd", drafter=drafter, policy=Constant(8), max_new_tokens=1)
+    assert one.sequences == [s[:1] for s in plain.sequences] and one.batch_metrics.draft_forwards == 0
+
+
+def test_lookup_drafts_are_capped_by_the_tokens_left(tiny_target, tiny_draft):
+    target = ModelRunner(tiny_target)
+    prompt = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7]]  # the lookup copies 8, 9, 10, 11, 5, ...
+    plain = generate(target, prompt, method="ar", max_new_tokens=3)
+    drafter = NGramModelDrafter(NGramDrafter(TINY_VOCAB, 4, 2), ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB),
+                                lookup_k=8)
+    out = generate(target, prompt, method="ngram_sd", drafter=drafter, max_new_tokens=3)
+    assert out.sequences == plain.sequences
+    assert drafter.lookup_steps >= 1 and out.batch_metrics.drafted_tokens <= 2 * out.batch_metrics.steps
+
+
+def test_draft_length_above_the_maximum_is_rejected(tiny_target, tiny_draft):
+    from quickdraft.policies import MAX_DRAFT_LENGTH, Heuristic, Policy
+
+    with pytest.raises(QuickdraftError, match=f"at most {MAX_DRAFT_LENGTH}"):
+        Constant(MAX_DRAFT_LENGTH + 1)
+    with pytest.raises(QuickdraftError, match=f"at most {MAX_DRAFT_LENGTH}"):
+        Heuristic(max_k=10_000)
+    Constant(MAX_DRAFT_LENGTH)  # the maximum itself is allowed
+
+    class Greedy10k(Policy):
+        name = "greedy10k"
+
+        def begin_step(self) -> int:
+            return 10_000
+
+    drafter = ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB)
+    with pytest.raises(QuickdraftError, match=rf"10000 tokens.*\[1, {MAX_DRAFT_LENGTH}\]"):
+        generate(ModelRunner(tiny_target), [[1, 2]], method="sd", drafter=drafter, policy=Greedy10k(),
+                 max_new_tokens=4)

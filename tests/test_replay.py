@@ -23,14 +23,16 @@ COST = StepCost(target=(1.0, 1.05, 1.1, 1.2, 1.3, 1.45, 1.6), draft=0.3, overhea
 
 
 def test_walk_counts_steps_by_hand():
-    # starts 0..7; k = 3: step at 0 accepts 3 (emits 4) -> 4 accepts 0 -> 5 accepts 2 (emits 3) -> 8 = end
+    # starts 0..7; k = 3: step at 0 accepts 3 (emits 4) -> 4 accepts 0 -> 5 drafts 2 (3 tokens left:
+    # 2 drafts and the bonus), accepts 2 (emits 3) -> 8 = end
     match = [5, 0, 0, 0, 0, 2, 0, 0]
     r = walk(8, match, lambda j: 3, COST)
-    assert (r.steps, r.drafted, r.accepted, r.lengths) == (3, 9, 5, [3, 3, 3])
-    assert r.seconds == pytest.approx(3 * (3 * 0.3 + 1.2 + 0.02))
-    # k = 1: starts 0 (accepts 1) -> 2 -> 3 -> 4 -> 5 (accepts 1) -> 7 -> end
+    assert (r.steps, r.drafted, r.accepted, r.lengths) == (3, 8, 5, [3, 3, 2])
+    assert r.seconds == pytest.approx(2 * (3 * 0.3 + 1.2 + 0.02) + (2 * 0.3 + 1.1 + 0.02))
+    # k = 1: starts 0 (accepts 1) -> 2 -> 3 -> 4 -> 5 (accepts 1) -> 7 (the last token: no draft) -> end
     r1 = walk(8, match, lambda j: 1)
-    assert (r1.steps, r1.drafted, r1.accepted, r1.seconds) == (6, 6, 2, 0.0)
+    assert (r1.steps, r1.drafted, r1.accepted, r1.seconds) == (6, 5, 2, 0.0)
+    assert r1.lengths == [1, 1, 1, 1, 1, 0]
 
 
 def test_walk_rejects_bad_input():
@@ -47,7 +49,8 @@ def test_walk_rejects_bad_input():
 def _brute_force(n, match, cost, max_k, j=0):
     if j >= n:
         return 0.0
-    return min(cost.step(k) + _brute_force(n, match, cost, max_k, j + min(match[j], k) + 1) for k in range(1, max_k + 1))
+    drafts = {min(k, n - j - 1) for k in range(1, max_k + 1)}  # the engine drafts no more than is left
+    return min(cost.step(k) + _brute_force(n, match, cost, max_k, j + min(match[j], k) + 1) for k in drafts)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -31,6 +31,15 @@ class Draft:
     raw_probs: torch.Tensor | None = None  # [B, K, V] temperature-1 distributions, when the rule wants them
     forwards: int = 0  # draft-model forwards spent
 
+    def truncate(self, k: int) -> "Draft":
+        """The first ``k`` columns (rows that drafted more keep ``k`` of them)."""
+        if self.ids.shape[1] <= k:
+            return self
+        return Draft(
+            ids=self.ids[:, :k], probs=self.probs[:, :k], lengths=self.lengths.clamp_max(k),
+            raw_probs=None if self.raw_probs is None else self.raw_probs[:, :k], forwards=self.forwards,
+        )
+
     def to(self, device: torch.device) -> "Draft":
         return Draft(
             ids=self.ids.to(device), probs=self.probs.to(device), lengths=self.lengths.to(device),

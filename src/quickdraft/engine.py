@@ -2,7 +2,8 @@
 
 One step of chain speculative decoding, for every row of the batch at once::
 
-    1. draft     the drafter proposes up to K tokens (policy decides K), drawn through the rule
+    1. draft     the drafter proposes up to K tokens (policy decides K, at most the tokens left to
+                 generate minus one), drawn through the rule
     2. verify    one target forward over [pending token, draft tokens]           -> [B, K+1, V]
     3. accept    verify_chain(draft_ids, draft_probs, target_probs, rule)        -> n per row
     4. commit    append the n accepted tokens and the recovered-or-bonus token; roll both KV caches
@@ -10,6 +11,12 @@ One step of chain speculative decoding, for every row of the batch at once::
 
 Plain decoding is the same step with K = 0: ``verify_chain`` then only emits the bonus token, so
 every rule (greedy, sampling, exponential race) also defines its own plain decoding.
+
+A draft longer than the budget left (``max_new_tokens`` minus the tokens emitted, minus the bonus
+token) would be cut off after verification anyway, so each step drafts at most that many tokens
+(:class:`quickdraft.policies.BudgetCap`); a row's last token is then a plain step. The cap depends
+only on the tokens emitted so far, so it leaves the output distribution (and the greedy text) as it
+is. Policies may ask for at most :data:`quickdraft.policies.MAX_DRAFT_LENGTH` tokens per step.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 from quickdraft.drafters import Draft, ModelDrafter, NGramDrafter, NGramModelDrafter, pending_block
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
-from quickdraft.policies import Constant, Policy
+from quickdraft.policies import MAX_DRAFT_LENGTH, BudgetCap, Constant, Policy
 from quickdraft.rules import Greedy, Lossless, Rule, VerifyContext
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
@@ -153,7 +160,8 @@ def generate(
     rule:
         Acceptance rule (default: :func:`default_rule`).
     policy:
-        Draft-length policy (default ``Constant(4)``).
+        Draft-length policy (default ``Constant(4)``); each step drafts at most the tokens left to
+        generate minus one, and at most :data:`quickdraft.policies.MAX_DRAFT_LENGTH`.
     sampling:
         Temperature / top-k / top-p, applied identically to target and draft.
     max_new_tokens:
@@ -180,8 +188,14 @@ def generate(
     policy = policy or Constant(4)
     eos_ids = set(eos_token_ids or ())
     vocab = int(target.model.config.vocab_size)
+    step_k = policy.begin_step()
+    if isinstance(step_k, bool) or int(step_k) != step_k or not 1 <= step_k <= MAX_DRAFT_LENGTH:
+        raise QuickdraftError(
+            f"policy {policy.name!r} asks for a draft of {step_k!r} tokens; the draft length must be an "
+            f"integer in [1, {MAX_DRAFT_LENGTH}]"
+        )
     # room for the longest draft and its bonus token
-    draft_room = 0 if method == "ar" else max(policy.begin_step(), getattr(drafter, "max_draft", 0)) + 1
+    draft_room = 0 if method == "ar" else max(step_k, getattr(drafter, "max_draft", 0)) + 1
     needed = max(len(p) for p in prompts) + max_new_tokens + draft_room
     if needed > target.max_positions:
         raise QuickdraftError(
@@ -221,8 +235,10 @@ def generate(
     while active.any():
         seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
         ctx = VerifyContext(generator=generator, positions=seq_lens.clone(), extra={"row_ids": row_ids})
-        # 1. draft
-        if method == "ar":
+        # 1. draft, at most what is left of the longest active row's budget after its bonus token
+        live = active.tolist()
+        cap = max(max_new_tokens - len(new_ids[row]) for row in range(b) if live[row]) - 1
+        if method == "ar" or cap == 0:
             draft = Draft(
                 ids=torch.zeros((b, 0), dtype=torch.long, device=device),
                 probs=torch.zeros((b, 0, vocab), device=device),
@@ -230,7 +246,7 @@ def generate(
                 raw_probs=torch.zeros((b, 0, vocab), device=device) if needs_raw else None,
             )
         else:
-            draft = drafter.propose(sequences, policy, rule, sampling, ctx, active)
+            draft = drafter.propose(sequences, BudgetCap(policy, cap), rule, sampling, ctx, active).truncate(cap)
         k = draft.ids.shape[1]
         total_draft_forwards += draft.forwards
         was_active = active.clone()
@@ -274,7 +290,8 @@ def generate(
         target.truncate(torch.minimum(target.lengths, valid_prefix))
         if method != "ar":
             drafter.commit(sequences, valid_prefix)
-            policy.update(k, accepted[was_active])
+            if cap > 0:  # the policy drafted this step
+                policy.update(k, accepted[was_active])
     decode_seconds = time.perf_counter() - t1
 
     return finish_output(new_ids, metrics, finish, prefill_seconds, decode_seconds,

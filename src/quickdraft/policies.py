@@ -3,9 +3,10 @@
 A policy is asked three things by the engine, once per verification step:
 
 ``begin_step()``
-    the most tokens to draft this step (``int >= 1``). It may be called more than once per step
-    (the engine also asks it once before generation to size the context), so it must not move the
-    policy's state forward -- only reset the per-step state.
+    the most tokens to draft this step (an integer in ``[1, MAX_DRAFT_LENGTH]``). It may be called
+    more than once per step (the engine also asks it once before generation to size the context),
+    so it must not move the policy's state forward -- only reset the per-step state. The engine
+    drafts fewer tokens when fewer are left to generate (:class:`BudgetCap`).
 ``keep_drafting(i, draft_probs, hidden, token=None)``
     after drafting token ``i`` (0-based) of the step, whether to draft another one. ``draft_probs``
     is ``[B, V]``, the draft's *unwarped* (temperature-1, no top-k/top-p) distribution at the
@@ -79,6 +80,11 @@ if TYPE_CHECKING:  # pragma: no cover
 BatchRule = Literal["mean", "any", "all"]
 BATCH_RULES: tuple[str, ...] = ("mean", "any", "all")
 
+#: the longest draft any policy may ask for in one step (``--k`` and every ``max_k``): one draft
+#: forward per token makes a longer draft cost more than it can save, and the verifying target
+#: forward grows with it
+MAX_DRAFT_LENGTH = 64
+
 
 class Policy:
     """Interface; see the module docstring."""
@@ -101,9 +107,41 @@ class Policy:
         return None
 
 
+class BudgetCap(Policy):
+    """``policy`` with each step's draft cut to ``cap`` tokens; the engine wraps its policy in one
+    per step, with ``cap`` = the tokens left to generate minus the bonus token.
+
+    The cap depends only on how many tokens have been emitted, like any policy's decision, so it
+    never changes which tokens a lossless rule emits (at temperature 0 the greedy text is the
+    same), only how many draft forwards it takes. ``keep_drafting`` and ``needs_hidden`` are the
+    wrapped policy's; ``update`` is the engine's to call on the wrapped policy.
+
+    Attributes
+    ----------
+    policy: the wrapped policy.
+    cap: the most tokens to draft this step (``>= 1``).
+    """
+
+    def __init__(self, policy: Policy, cap: int) -> None:
+        self.policy = policy
+        self.cap = int(cap)
+        self.name = policy.name
+        self.needs_hidden = policy.needs_hidden
+
+    def begin_step(self) -> int:
+        return min(self.policy.begin_step(), self.cap)
+
+    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None,
+                      token: torch.Tensor | None = None) -> bool:
+        return self.policy.keep_drafting(i, draft_probs, hidden, token=token)
+
+
 def _check_k(value: int, what: str) -> None:
+    """Raise unless ``value`` is an integer in ``[1, MAX_DRAFT_LENGTH]``."""
     if isinstance(value, bool) or int(value) != value or value < 1:
         raise QuickdraftError(f"{what} must be an integer >= 1, got {value!r}")
+    if value > MAX_DRAFT_LENGTH:
+        raise QuickdraftError(f"{what} must be at most {MAX_DRAFT_LENGTH} (the maximum draft length), got {value!r}")
 
 
 def _check_batch_rule(rule: str) -> None:
@@ -180,8 +218,7 @@ class Constant(Policy):
     name = "constant"
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or int(self.k) != self.k or self.k < 1:
-            raise QuickdraftError(f"draft length k must be an integer >= 1, got {self.k!r}")
+        _check_k(self.k, "draft length k")
 
     def begin_step(self) -> int:
         return self.k

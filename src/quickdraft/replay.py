@@ -100,12 +100,13 @@ def walk(
     cost: optional; without it ``seconds`` stays 0.
     update: optional ``update(k, accepted)`` after each step (stateful policies such as Heuristic).
 
-    A step drafting ``k`` accepts ``a = min(match[j], k)`` tokens and emits ``a + 1`` (the last one
-    the target's correction or bonus token), cut at ``n_tokens`` as the engine cuts its output.
+    A step drafts ``k = min(choose(j), n_tokens - j - 1)`` tokens (as the engine, it drafts no more
+    than the tokens left after the bonus token), accepts ``a = min(match[j], k)`` tokens and emits
+    ``a + 1`` (the last one the target's correction or bonus token).
 
     >>> r = walk(5, [2, 0, 0, 1, 0], lambda j: 2)
     >>> r.steps, r.drafted, r.accepted, r.lengths
-    (2, 4, 3, [2, 2])
+    (2, 3, 3, [2, 1])
     """
     _check_match(match, n_tokens)
     res = ReplayResult()
@@ -114,6 +115,7 @@ def walk(
         k = int(choose(j))
         if k < 1:
             raise QuickdraftError(f"a step must draft at least one token, got {k} at start {j}")
+        k = min(k, n_tokens - j - 1)
         a = min(int(match[j]), k)
         res.steps += 1
         res.drafted += k
@@ -121,7 +123,7 @@ def walk(
         res.lengths.append(k)
         if cost is not None:
             res.seconds += cost.step(k)
-        if update is not None:
+        if update is not None and k > 0:  # a step drafting nothing does not ask the policy
             update(k, a)
         j += a + 1
     res.new_tokens = n_tokens
@@ -132,14 +134,18 @@ def clairvoyant(n_tokens: int, match: Sequence[int], cost: StepCost, max_k: int)
     """The least decode time any draft-length policy with ``1 <= k <= max_k`` can reach on this
     output: a dynamic programme over starts that knows ``match`` (how far the draft is right).
 
-    ``V(j) = min_k cost(k) + V(min(n, j + min(match[j], k) + 1))``, ``V(n) = 0``. It is a bound, not
+    ``V(j) = min_k cost(k') + V(min(n, j + min(match[j], k') + 1))``, ``V(n) = 0``, with
+    ``k' = min(k, n - j - 1)`` the draft :func:`walk` (and the engine) makes. It is a bound, not
     a policy: no rule that sees only the draft can do better (its choices are among those tried).
     """
     _check_match(match, n_tokens)
     best = [0.0] * (n_tokens + 1)
     choice = [1] * n_tokens
     for j in range(n_tokens - 1, -1, -1):
-        options = [(cost.step(k) + best[min(n_tokens, j + min(int(match[j]), k) + 1)], k) for k in range(1, max_k + 1)]
+        options = []
+        for k in range(1, max_k + 1):
+            drafted = min(k, n_tokens - j - 1)  # walk's cap by the tokens left
+            options.append((cost.step(drafted) + best[min(n_tokens, j + min(int(match[j]), drafted) + 1)], k))
         best[j], choice[j] = min(options)
     res = walk(n_tokens, match, lambda j: choice[j], cost)
     assert abs(res.seconds - best[0]) <= 1e-9 * max(1.0, best[0])

@@ -86,6 +86,7 @@ from typing import Callable
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.policies import MAX_DRAFT_LENGTH
 from quickdraft.multidraft_proposals import SAMPLERS, Drafts, _remove
 from quickdraft.race import arrival_times, race_order
 from quickdraft.sampling import SamplingParams, logits_to_probs
@@ -212,7 +213,7 @@ class TreeConfig:
     Attributes
     ----------
     depth:
-        ``d`` ≥ 1, draft layers (= draft forwards per step).
+        ``d`` in ``[1, MAX_DRAFT_LENGTH]``, draft layers (= draft forwards per step).
     topk:
         ``k`` ≥ 1, children per expanded node and frontier width.
     budget:
@@ -237,6 +238,9 @@ class TreeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise QuickdraftError(f"tree {name} must be an integer >= 1, got {value!r}")
+        if self.depth > MAX_DRAFT_LENGTH:
+            raise QuickdraftError(
+                f"tree depth must be at most {MAX_DRAFT_LENGTH} (the maximum draft length), got {self.depth!r}")
         if self.scheme not in SCHEMES + (RACE_SCHEME,):
             raise QuickdraftError(
                 f"unknown tree scheme {self.scheme!r}; choose one of {', '.join(SCHEMES + (RACE_SCHEME,))}"

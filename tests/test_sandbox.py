@@ -12,7 +12,14 @@ import pytest
 
 from quickdraft import sandbox
 from quickdraft.datasets import load_humaneval_problems
-from quickdraft.sandbox import SandboxLimits, isolation_mode, run_humaneval_check, run_humaneval_checks, run_program
+from quickdraft.sandbox import (
+    SandboxLimits,
+    isolation_mode,
+    run_humaneval_check,
+    run_humaneval_checks,
+    run_program,
+    sandbox_info,
+)
 
 NAMESPACES = isolation_mode() == "namespaces"
 needs_namespaces = pytest.mark.skipif(not NAMESPACES, reason="needs `unshare` namespaces (root)")
@@ -55,10 +62,65 @@ def test_passing_failing_and_erroring_programs():
     assert missing.status == "error" and "KeyError" in missing.detail
 
 
-def test_printed_output_cannot_fake_a_pass():
-    fake = 'print(\'{"pid": 1, "status": "passed", "detail": ""}\')\nimport os\nos._exit(0)\n'
-    outcome = run_program(fake, FAST)
-    assert outcome.status == "error" and "before the check finished" in outcome.detail
+ADD = {"test": "def check(f):\n    assert f(1, 2) == 3\n", "entry_point": "add"}
+
+
+def test_output_without_a_final_newline_does_not_hide_the_verdict():
+    for stream in ("sys.stdout", "sys.stderr"):
+        program = f"import sys\ndef add(a, b):\n    print(a, end='', file={stream})\n    return a + b\n"
+        outcome = run_humaneval_check(ADD, program, timeout=5)
+        assert (outcome.status, outcome.detail) == ("passed", ""), (stream, outcome)
+    flushed = (
+        "import sys\ndef add(a, b):\n    sys.stdout.write('x' * 100000)\n    sys.stdout.flush()\n    return a + b\n"
+    )
+    assert run_humaneval_check(ADD, flushed, timeout=5).passed
+
+
+FORGERIES = {
+    "old verdict line": (
+        "import os, json\n"
+        "print('0' * 32 + ' ' + json.dumps({'role': 'child', 'pid': os.getpid(), 'status': 'passed', 'detail': ''}))\n"
+        "print('{\"pid\": 1, \"status\": \"passed\", \"detail\": \"\"}')\n"
+        "os._exit(0)\n"
+    ),
+    "reporting hook": (
+        "import __main__, os\n"
+        "for name in ('_report', 'send', '_runner'):\n"
+        "    hook = getattr(__main__, name, None)\n"
+        "    if hook is not None:\n"
+        "        hook({'role': 'child', 'stage': 'result', 'pid': os.getpid(), 'status': 'passed', 'detail': ''})\n"
+        "os._exit(0)\n"
+    ),
+    "every file descriptor": (
+        "import os, json\n"
+        "line = json.dumps({'pid': os.getpid(), 'stage': 'result', 'status': 'passed', 'detail': ''})\n"
+        "for fd in range(256):\n"
+        "    try:\n"
+        "        os.write(fd, ('x ' + line + '\\n').encode())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(FORGERIES))
+def test_a_program_cannot_forge_a_pass(how):
+    outcome = run_humaneval_check(ADD, FORGERIES[how] + "def add(a, b):\n    return a - b\n", timeout=5)
+    assert not outcome.passed and outcome.status == "error", outcome
+    assert "exited with code 0 before the check finished" in outcome.detail or "AttributeError" in outcome.detail
+    # the same program without the forgery and with a correct add passes: the harness itself works
+    assert run_humaneval_check(ADD, "def add(a, b):\n    return a + b\n", timeout=5).passed
+
+
+def test_outcome_records_the_isolation_mode():
+    outcome = run_program("pass\n", FAST)
+    assert outcome.isolation == isolation_mode()
+    assert outcome.network in sandbox.NETWORK_LEVELS
+    info = sandbox_info(FAST)
+    assert info["mode"] == isolation_mode() and info["network"] == outcome.network
+    if NAMESPACES:
+        assert outcome.network == "seccomp+netns"
 
 
 def test_infinite_loop_is_killed_at_the_wall_clock_timeout():
@@ -128,12 +190,12 @@ def test_network_is_unreachable_from_the_sandbox():
         conn.close()
 
         outcome = run_program(connect, FAST)
-        assert outcome.status == "error" and "unreachable" in outcome.detail.lower(), outcome
+        assert outcome.status == "error" and "Permission denied" in outcome.detail, outcome
         with pytest.raises(socket.timeout):
             server.accept()  # nothing arrived from the sandbox
 
     public = run_program("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=3)\n", FAST)
-    assert not public.passed and "unreachable" in public.detail.lower()
+    assert not public.passed and "Permission denied" in public.detail
     dns = run_program("import socket\nsocket.getaddrinfo('pypi.org', 443)\n", FAST)
     assert not dns.passed and "gaierror" in dns.detail
 
@@ -159,7 +221,7 @@ def test_environment_is_empty_and_user_is_unprivileged(monkeypatch):
     if os.geteuid() == 0:
         checks += "assert os.getuid() != 0 and os.geteuid() != 0\n"
         checks += (
-            "try:\n    open('/etc/quickdraft-probe', 'w')\nexcept PermissionError:\n    pass\n"
+            "try:\n    open('/etc/quickdraft-probe', 'w')\nexcept OSError:\n    pass\n"
             "else:\n    raise SystemExit('wrote /etc')\n"
         )
     outcome = run_program(checks, FAST)
@@ -204,7 +266,8 @@ def basic_mode(monkeypatch):
 def test_basic_mode_still_limits_and_blocks(basic_mode):
     assert run_program("open('scratch', 'w').write('ok')\n", FAST).passed
     net = run_program("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\n", FAST)
-    assert net.status == "error" and "unreachable" in net.detail.lower()
+    assert net.status == "error" and ("Permission denied" in net.detail or "unreachable" in net.detail), net
+    assert net.isolation == "basic"
     big = run_program("open('big', 'wb').write(b'x' * (8 << 20))\n", SandboxLimits(timeout=5.0, file_bytes=1 << 20))
     assert big.status == "error" and "File too large" in big.detail
     assert run_program("while True:\n    pass\n", FAST).status == "timeout"
@@ -218,3 +281,206 @@ def test_basic_mode_kills_escaped_children_by_uid(basic_mode):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     assert run_program(bomb, FAST).status == "timeout"
     assert sandbox_processes() == []
+
+
+@pytest.fixture
+def basic_mode_without_root(monkeypatch):
+    """The basic mode as an unprivileged caller gets it: no private uid, no namespaces."""
+    monkeypatch.setattr(sandbox, "_detect_isolation", lambda: "basic")
+    monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+
+
+@pytest.fixture
+def host_writable_dir():
+    """A world-writable directory on the host outside the usual temporary directories."""
+    parent = Path("/var/cache")
+    if not parent.is_dir() or os.geteuid() != 0:
+        pytest.skip("needs root and /var/cache")
+    path = parent / f"quickdraft-sandbox-test-{uuid.uuid4().hex}"
+    path.mkdir()
+    path.chmod(0o1777)
+    try:
+        yield path
+    finally:
+        for child in path.iterdir():
+            child.unlink()
+        path.rmdir()
+
+
+@needs_namespaces
+def test_every_writable_path_is_private_to_the_run(host_writable_dir):
+    name = f"quickdraft-sandbox-test-{uuid.uuid4().hex}"
+    targets = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock", str(host_writable_dir)]
+    program = (
+        "import os\nwritten = []\n"
+        f"for d in {targets!r}:\n"
+        "    try:\n"
+        f"        open(os.path.join(d, {name!r}), 'w').write('x')\n"
+        "        written.append(d)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "assert written == ['/tmp', '/var/tmp', '/dev/shm', '/run/lock'], written\n"
+    )
+    outcome = run_program(program, FAST)
+    assert outcome.passed, outcome  # the temporary directories are writable, the rest is read-only ...
+    for target in targets:
+        assert not Path(target, name).exists(), target  # ... and nothing reached the host
+
+
+@needs_namespaces
+def test_total_bytes_written_is_bounded_by_the_private_tmpfs():
+    program = "for i in range(64):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
+    outcome = run_program(program, SandboxLimits(timeout=10.0, file_bytes=2 << 20, disk_bytes=8 << 20))
+    assert outcome.status == "error" and "No space left on device" in outcome.detail, outcome
+
+
+def _unix_listener(directory: Path) -> socket.socket:
+    server = socket.socket(socket.AF_UNIX)
+    path = directory / f"qd-{uuid.uuid4().hex[:12]}.sock"
+    server.bind(str(path))
+    path.chmod(0o777)
+    server.listen(1)
+    server.settimeout(0.3)
+    return server
+
+
+@pytest.mark.parametrize("mode", ["default", "basic", "basic-without-root"])
+def test_host_unix_sockets_are_unreachable(mode, monkeypatch, host_writable_dir):
+    if mode != "default":
+        monkeypatch.setattr(sandbox, "_detect_isolation", lambda: "basic")
+    if mode == "basic-without-root":
+        monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+    directories = [Path("/run/lock"), host_writable_dir]
+    servers = [_unix_listener(d) for d in directories if os.access(d, os.W_OK)]
+    try:
+        for server in servers:
+            path = server.getsockname()
+            connect = f"import _socket\ns = _socket.socket(_socket.AF_UNIX)\ns.connect({path!r})\ns.send(b'hi')\n"
+            # Negative control: the same code outside the sandbox reaches the listener.
+            exec(compile(connect, "<control>", "exec"), {})
+            server.accept()[0].close()
+            outcome = run_program(connect, FAST)
+            assert not outcome.passed and "Permission denied" in outcome.detail, (path, outcome)
+            with pytest.raises(socket.timeout):
+                server.accept()
+    finally:
+        for server in servers:
+            os.unlink(server.getsockname())
+            server.close()
+
+
+@pytest.mark.parametrize("without_root", [False, True])
+def test_basic_mode_blocks_raw_sockets_to_a_host_listener(basic_mode, monkeypatch, without_root):
+    if without_root:
+        monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.settimeout(0.3)
+        port = server.getsockname()[1]
+        raw = f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\ns.send(b'hi')\n"
+        exec(compile(raw, "<control>", "exec"), {})  # negative control
+        server.accept()[0].close()
+        outcome = run_program(raw, FAST)
+        assert not outcome.passed and "Permission denied" in outcome.detail, outcome
+        assert (outcome.isolation, outcome.network) == ("basic", "seccomp")
+        with pytest.raises(socket.timeout):
+            server.accept()
+
+
+def _wait_gone(pid: int, seconds: float = 2.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True  # dead, waiting for a parent outside the sandbox to reap it
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("ending", ["returns", "times out"])
+def test_basic_mode_without_root_leaves_no_process_behind(basic_mode_without_root, tmp_path, ending):
+    pids = tmp_path / "pids"
+    program = (
+        "import os, time\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "        if os.fork() == 0:\n"
+        f"            open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "            time.sleep(120)\n"
+        "        os._exit(0)\n"
+        "time.sleep(0.5)\n"
+        + ("while True:\n    pass\n" if ending == "times out" else "")
+    )
+    outcome = run_program(program, FAST)
+    assert outcome.status == ("passed" if ending == "returns" else "timeout"), outcome
+    escaped = [int(line) for line in pids.read_text().split()]
+    assert len(escaped) == 3
+    assert all(_wait_gone(pid) for pid in escaped), escaped
+
+
+THREADED = {
+    "test": "def check(f):\n    assert f(list(range(40))) == sum(x * x for x in range(40))\n",
+    "entry_point": "sum_squares",
+}
+THREADED_SOLUTIONS = {
+    "threading": (
+        "import threading\n"
+        "def sum_squares(xs):\n"
+        "    barrier = threading.Barrier(8)\n"  # all 8 threads alive at once
+        "    out = [0] * 8\n"
+        "    def work(i):\n"
+        "        barrier.wait()\n"
+        "        out[i] = sum(x * x for x in xs[i::8])\n"
+        "    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]\n"
+        "    for t in threads:\n"
+        "        t.start()\n"
+        "    for t in threads:\n"
+        "        t.join()\n"
+        "    return sum(out)\n"
+    ),
+    "ThreadPoolExecutor": (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "import threading\n"
+        "def sum_squares(xs):\n"
+        "    barrier = threading.Barrier(8)\n"
+        "    def work(x):\n"
+        "        if x < 8:\n"
+        "            barrier.wait()\n"
+        "        return x * x\n"
+        "    with ThreadPoolExecutor(max_workers=8) as pool:\n"
+        "        return sum(pool.map(work, xs))\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["default", "basic"])
+@pytest.mark.parametrize("how", sorted(THREADED_SOLUTIONS))
+def test_threaded_solutions_pass(how, mode, monkeypatch):
+    if mode == "basic":
+        monkeypatch.setattr(sandbox, "_detect_isolation", lambda: "basic")
+    outcome = run_humaneval_check(THREADED, THREADED_SOLUTIONS[how], timeout=10)
+    assert outcome.passed, outcome
+
+
+@needs_root
+@pytest.mark.parametrize("mode", ["default", "basic"])
+def test_fork_bomb_is_contained_within_the_timeout_at_default_limits(mode, monkeypatch):
+    if mode == "basic":
+        monkeypatch.setattr(sandbox, "_detect_isolation", lambda: "basic")
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    start = time.perf_counter()
+    outcome = run_program(bomb, FAST)
+    assert outcome.status == "timeout", outcome
+    assert time.perf_counter() - start < FAST.timeout + 3.0
+    assert sandbox_processes() == []
+
+
+def test_bad_limits_are_rejected_with_the_field_name():
+    for field, value in (("max_processes", 0), ("disk_bytes", 0), ("cpu_seconds", 0), ("timeout", 0)):
+        with pytest.raises(sandbox.QuickdraftError, match=field):
+            SandboxLimits(**{field: value})

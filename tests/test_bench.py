@@ -25,6 +25,7 @@ from quickdraft.bench import (
 from quickdraft.datasets import Prompt
 from quickdraft.errors import QuickdraftError
 from quickdraft.pipeline import Pipeline
+from quickdraft.sandbox import isolation_mode
 
 from conftest import TINY_VOCAB, RecodedPipe, word_tokenizer
 
@@ -146,10 +147,19 @@ def test_run_writes_schema_interleaves_and_resumes(pipe, tmp_path):
     assert len(first) == 5  # cells 0..4 were written before the interruption
     stamps = {(r["method"], r["prompt_id"], r["temperature"]): r["started_at"] for r in first}
 
-    meta = run_bench(wrapped, prompts, config, out, command="test resume", progress=False, log=lambda m: None)
+    logged: list[str] = []
+    meta = run_bench(wrapped, prompts, config, out, command="test resume", progress=False, log=logged.append)
     records = load_records(out)
     assert len(records) == 4 * 3 * 2
     assert [s["command"] for s in meta["sessions"]] == ["test run", "test resume"]
+    # the sandbox's isolation mode is recorded for the session and for every checked completion, and logged
+    mode = isolation_mode()
+    assert all(s["sandbox"]["mode"] == mode for s in meta["sessions"])
+    assert json.loads((out / "run.json").read_text())["sessions"][-1]["sandbox"]["mode"] == mode
+    assert any(line.startswith(f"HumanEval sandbox: isolation {mode}; network ") for line in logged), logged
+    assert {(r["quality"]["isolation"], r["quality"]["network"]) for r in records} == {
+        (mode, meta["sessions"][-1]["sandbox"]["network"])
+    }
     # resumed: the cached cells were not rerun, the rest continued the run index
     for r in records:
         key = (r["method"], r["prompt_id"], r["temperature"])

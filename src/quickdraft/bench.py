@@ -14,9 +14,11 @@ of one dataset, at one or more temperatures, in one process:
 5. **Quality**, after generation: HumanEval answers go through
    :func:`quickdraft.extract.extract_program` and the sandbox
    (:func:`quickdraft.sandbox.run_humaneval_checks`, one child process per problem with limits,
-   never in this process); every completion gets a *fidelity* figure, the target's mean
-   log-likelihood of the generated tokens under its raw (temperature-1) distribution, from one
-   target forward. Agreement with target-alone greedy output is derived in :mod:`quickdraft.report`.
+   never in this process; the sandbox's isolation mode and network level are logged and recorded
+   in the session's ``sandbox`` in ``run.json`` and in each record's ``quality``); every
+   completion gets a *fidelity* figure, the target's mean log-likelihood of the generated tokens
+   under its raw (temperature-1) distribution, from one target forward. Agreement with
+   target-alone greedy output is derived in :mod:`quickdraft.report`.
 6. **Report**: :func:`quickdraft.report.write_reports` turns the raw cells into ``summary.csv``,
    ``summary.json``, ``summary.md`` and PNG plots.
 
@@ -718,6 +720,11 @@ def run_bench(
         "command": command, "started": _now(), "model_load_seconds": model_load_seconds,
         "machine": _machine(), "skipped": skipped,
     }
+    if any(p.dataset == "humaneval" for p in prompts):
+        from quickdraft.sandbox import sandbox_info
+
+        session["sandbox"] = sandbox_info()
+        log(_describe_sandbox(session["sandbox"]))
     meta.update(
         schema=SCHEMA_VERSION, title=config.title or meta.get("title", ""),
         description=config.description or meta.get("description", ""),
@@ -791,6 +798,11 @@ def run_bench(
     return meta
 
 
+def _describe_sandbox(info: dict[str, str]) -> str:
+    """One line for the log: the sandbox's isolation mode and what it does to the network."""
+    return f"HumanEval sandbox: isolation {info['mode']}; network {info['network']} ({info['network_meaning']})"
+
+
 def evaluate(out_dir: Path, prompts: list, prompt_ids: list[list[int]], pipe=None, workers: int = 1,
              log: Callable[[str], None] = lambda msg: None) -> int:
     """Add ``quality`` (HumanEval: extraction status, sandbox outcome) and ``fidelity`` to every
@@ -820,7 +832,8 @@ def evaluate(out_dir: Path, prompts: list, prompt_ids: list[list[int]], pipe=Non
     if jobs:
         log(f"checking {len(jobs)} HumanEval completions in the sandbox")
         for rec, outcome in zip(job_records, run_humaneval_checks(jobs, workers=workers)):
-            rec["quality"].update(passed=bool(outcome.passed), sandbox_status=outcome.status, detail=outcome.detail[:300])
+            rec["quality"].update(passed=bool(outcome.passed), sandbox_status=outcome.status, detail=outcome.detail[:300],
+                                  isolation=outcome.isolation, network=outcome.network)
             changed.add(id(rec))
 
     if pipe is not None:

@@ -99,3 +99,30 @@ def test_ersd_candidates_and_race_trees_from_the_command_line(tiny_pipeline):
     assert len(set(texts.values())) == 1 and len(texts["--method ersd"].split()) >= 8, texts
     other = _run(*common, "--seed", "6", "--method", "ersd")
     assert json.loads(other.output[other.output.index("{"):])["text"] != next(iter(texts.values()))
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["w1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+        (["w1", "--stop", ""], "empty stop string"),
+        (["w1 \udcff"], "prompt is not valid UTF-8"),
+        (["w1", "--stop", "\udcff"], "stop string is not valid UTF-8"),
+    ],
+)
+def test_bad_generation_arguments_are_rejected_before_the_models_load(args, needle):
+    """The target does not exist: the error names the argument, so nothing was loaded first."""
+    result = _run("generate", *args, "--target", "/nonexistent/model/dir")
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], result.output
+
+
+def test_a_tiny_temperature_runs_as_greedy(tiny_pipeline):
+    common = ["generate", "w1 w2 w3", "--no-chat", "--max-new-tokens", "8", "--json"]
+    texts = []
+    for temperature in ("0", "1e-40"):
+        result = _run(*common, "--temperature", temperature)
+        assert result.exit_code == 0, result.output
+        texts.append(json.JSONDecoder().raw_decode(result.output[result.output.index("{"):])[0]["text"])
+    assert texts[0] == texts[1] and texts[0].strip()

@@ -71,3 +71,40 @@ def test_mismatched_vocabularies_are_rejected(tiny_target, tokenizer):
 
     with pytest.raises(QuickdraftError, match="vocabularies differ"):
         Pipeline(tiny_target, tokenizer, tiny_lm(seed=2, vocab=TINY_VOCAB // 2))
+
+
+def test_a_bare_string_is_one_prompt(pipe):
+    one = pipe.generate("w1 w2 w3", method="sd", k=3, max_new_tokens=10, chat=False)
+    listed = pipe.generate(["w1 w2 w3"], method="sd", k=3, max_new_tokens=10, chat=False)
+    assert len(one.completions) == 1
+    assert one.completions[0].token_ids == listed.completions[0].token_ids
+
+
+def test_bad_text_inputs_are_rejected_before_tokenizing(pipe):
+    with pytest.raises(QuickdraftError, match="empty stop string"):
+        pipe.generate(["w1 w2"], method="ar", max_new_tokens=4, chat=False, stop_strings=("",))
+    with pytest.raises(QuickdraftError, match=r"prompt is not valid UTF-8.*\\udcff"):
+        pipe.generate(["w1 \udcff"], method="ar", max_new_tokens=4, chat=False)
+    with pytest.raises(QuickdraftError, match="stop string is not valid UTF-8"):
+        pipe.generate(["w1"], method="ar", max_new_tokens=4, chat=False, stop_strings=("\ud800",))
+    with pytest.raises(QuickdraftError, match="must be a str"):
+        pipe.generate([1, 2], method="ar", max_new_tokens=4, chat=False)
+
+
+@pytest.mark.parametrize("bad", [TINY_VOCAB, -1, 2.5, "w1"])
+def test_out_of_vocabulary_prompt_ids_are_rejected(pipe, bad):
+    with pytest.raises(QuickdraftError, match=rf"token id .* vocabulary \[0, {TINY_VOCAB}\)"):
+        pipe.generate([], method="sd", prompt_ids=[[1, 2], [3, bad]], max_new_tokens=4)
+    with pytest.raises(QuickdraftError, match="vocabulary"):
+        pipe.generate([], method="tree", prompt_ids=[[1, bad]], max_new_tokens=4)
+
+
+def test_a_tiny_positive_temperature_decodes_greedily(pipe):
+    from quickdraft.sampling import GREEDY_TEMPERATURE
+
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    greedy = pipe.generate(["w1 w2"], method="sd", max_new_tokens=12, chat=False)
+    for t in (1e-40, 1e-300, GREEDY_TEMPERATURE / 2):
+        out = pipe.generate(["w1 w2"], method="sd", sampling=SamplingParams(temperature=t), seed=3,
+                            max_new_tokens=12, chat=False)
+        assert out.completions[0].token_ids == greedy.completions[0].token_ids

@@ -42,7 +42,7 @@ def generate(
     method: str = typer.Option("sd", help=f"Decoding method: {', '.join(METHOD_NAMES)}."),
     k: int = typer.Option(4, "--k", help="Draft length (tokens drafted per step)."),
     policy: str = typer.Option("constant", help="Draft-length policy: constant, heuristic, confidence, specdecpp."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (as is anything below 1e-5)."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     seed: int = typer.Option(0),
@@ -60,7 +60,7 @@ def generate(
         "linear layers; openvino: NNCF weight compression)."),
     quantize_draft: Optional[str] = typer.Option(
         None, help="Override --quantize for the draft alone (e.g. int4: lossless methods stay exact)."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string, non-empty (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
     divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),
     threshold: float = typer.Option(0.4, help="fsd: divergence threshold T (>= 0)."),
@@ -95,8 +95,14 @@ def generate(
             stop_threshold=stop_threshold, tree_budget=tree_budget, depth=depth, topk=topk, verifier=verifier,
             tree_sampling=tree_sampling, tree_rule=tree_rule,
         )
-        from quickdraft.pipeline import Pipeline
+        from quickdraft.engine import check_max_new_tokens
+        from quickdraft.pipeline import Pipeline, check_prompt_text, check_stop_strings
 
+        # everything that does not need the models is checked before they load
+        check_max_new_tokens(max_new_tokens)
+        for prompt in prompts:
+            check_prompt_text(prompt)
+        check_stop_strings(stop)
         pipe = Pipeline.from_specs(
             target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
             quantize_draft=quantize_draft, draft_dtype=draft_dtype,

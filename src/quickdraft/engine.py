@@ -21,6 +21,7 @@ is. Policies may ask for at most :data:`quickdraft.policies.MAX_DRAFT_LENGTH` to
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -63,6 +64,34 @@ class GenerationOutput:
 def default_rule(sampling: SamplingParams) -> Rule:
     """Greedy exact match at temperature 0, lossless speculative sampling otherwise."""
     return Greedy() if sampling.greedy else Lossless()
+
+
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    """Raise :class:`QuickdraftError` unless ``max_new_tokens`` is an integer >= 1."""
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, float))
+            or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1):
+        raise QuickdraftError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    """Raise :class:`QuickdraftError` unless ``prompts`` is a non-empty list of non-empty lists of
+    token ids in ``[0, vocab_size)`` (an id outside the model's vocabulary has no embedding)."""
+    if isinstance(prompts, (str, bytes)) or not prompts:
+        raise QuickdraftError("prompts must be a non-empty list of token-id lists")
+    for row, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+            raise QuickdraftError(f"prompt {row} must be a list of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise QuickdraftError("empty prompt: every prompt needs at least one token")
+        for t in prompt:
+            try:
+                ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
+            except TypeError:
+                ok = False
+            if not ok:
+                raise QuickdraftError(
+                    f"prompt {row} holds token id {t!r}, not an id in the model's vocabulary [0, {vocab_size})"
+                )
 
 
 def _stop_index(new_ids: list[int], eos_ids: set[int]) -> int | None:
@@ -150,7 +179,7 @@ def generate(
     target:
         The target model's runner.
     prompts:
-        ``B`` lists of token ids (non-empty).
+        ``B`` non-empty lists of token ids in ``[0, vocab_size)`` of the target.
     method:
         ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` / ``"ngram_sd"`` chain speculative decoding
         with ``drafter``.
@@ -178,16 +207,14 @@ def generate(
     """
     if method not in METHODS:
         raise QuickdraftError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise QuickdraftError("empty prompt: every prompt needs at least one token")
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise QuickdraftError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    vocab = int(target.model.config.vocab_size)
+    check_prompts(prompts, vocab)
+    check_max_new_tokens(max_new_tokens)
     if method != "ar" and drafter is None:
         raise QuickdraftError(f"method {method!r} needs a drafter")
     rule = rule or default_rule(sampling)
     policy = policy or Constant(4)
     eos_ids = set(eos_token_ids or ())
-    vocab = int(target.model.config.vocab_size)
     step_k = policy.begin_step()
     if isinstance(step_k, bool) or int(step_k) != step_k or not 1 <= step_k <= MAX_DRAFT_LENGTH:
         raise QuickdraftError(

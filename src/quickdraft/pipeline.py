@@ -159,8 +159,7 @@ class Pipeline:
     def encode(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids of ``prompt``; with ``chat`` (default: when the tokenizer has a chat template)
         the prompt becomes a user message under the model's chat template."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise QuickdraftError("empty prompt: give some text to continue")
+        check_prompt_text(prompt)
         use_chat = chat if chat is not None else bool(getattr(self.tokenizer, "chat_template", None))
         if use_chat:
             return self.encode_messages([{"role": "user", "content": prompt}])
@@ -170,7 +169,12 @@ class Pipeline:
         """Token ids of chat ``messages`` under the model's chat template, ready for the reply."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise QuickdraftError("this tokenizer has no chat template; pass plain text with chat=False")
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        messages = list(messages)
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                check_utf8(content, "message content")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -216,7 +220,7 @@ class Pipeline:
     # -- generation ------------------------------------------------------------------------------
     def generate(
         self,
-        prompts: list[str],
+        prompts: list[str] | str,
         *,
         method: Method = "sd",
         k: int = 4,
@@ -236,11 +240,21 @@ class Pipeline:
     ) -> PipelineOutput:
         """Generate a completion for every prompt (one real batch through the models).
 
+        ``prompts`` is a list of texts, or one text (one prompt, one completion). ``stop_strings``
+        must be non-empty texts. ``prompt_ids`` (token ids in the target's vocabulary) replace
+        ``prompts`` when given.
+
         ``ngram`` = (shortest, longest) n-gram the ``ngram`` and ``ngram_sd`` methods match (default:
         :attr:`NGRAM_DEFAULTS`): a longer shortest n-gram drafts less often and more accurately, for
         backends whose verification cost grows with K. ``lookup_k``: tokens an ``ngram_sd`` lookup
         step copies (its model steps draft ``policy``'s length).
         """
+        stop_strings = check_stop_strings(stop_strings)
+        if prompt_ids is None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if not isinstance(prompts, (list, tuple)) or not prompts:
+                raise QuickdraftError("prompts must be a text or a non-empty list of texts")
         ids = prompt_ids if prompt_ids is not None else [self.encode(p, chat) for p in prompts]
         printed = [0] * len(ids)
         texts: list[str] = [""] * len(ids)
@@ -302,6 +316,41 @@ class Pipeline:
             texts[row] = _cut_at_stop(decode(seq), stop_strings)
             completions.append(Completion(texts[row], seq, out.finish_reasons[row], out.metrics[row]))
         return PipelineOutput(completions, out.batch_metrics)
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Raise :class:`QuickdraftError` unless ``text`` is encodable as UTF-8 (a str holding a lone
+    surrogate, e.g. from command-line bytes that are not UTF-8, is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise QuickdraftError(
+            f"{what} is not valid UTF-8 text: {text[err.start:err.end]!r} at character {err.start}"
+        ) from None
+
+
+def check_prompt_text(prompt: str) -> None:
+    """Raise :class:`QuickdraftError` unless ``prompt`` is a non-blank, UTF-8 encodable str."""
+    if not isinstance(prompt, str):
+        raise QuickdraftError(f"a prompt must be a str, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise QuickdraftError("empty prompt: give some text to continue")
+    check_utf8(prompt, "prompt")
+
+
+def check_stop_strings(stop_strings) -> tuple[str, ...]:
+    """``stop_strings`` as a tuple, after checking that each is a non-empty, UTF-8 encodable str
+    (an empty stop string occurs in every text and would end generation after one token)."""
+    if isinstance(stop_strings, str):
+        stop_strings = (stop_strings,)
+    stop_strings = tuple(stop_strings)
+    for s in stop_strings:
+        if not isinstance(s, str):
+            raise QuickdraftError(f"a stop string must be a str, got {type(s).__name__}")
+        if not s:
+            raise QuickdraftError("empty stop string: it would end generation after the first token")
+        check_utf8(s, "stop string")
+    return stop_strings
 
 
 def _cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:

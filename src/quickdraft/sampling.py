@@ -6,7 +6,10 @@ token is always drawn from exactly the distribution the verifier is handed.
 
 Temperature 0 means greedy decoding: the distribution is the one-hot vector of the argmax (ties
 broken towards the lowest token id, as ``torch.argmax`` does). With one-hot distributions the
-lossless rule reduces to exact match, so every rule stays well defined at temperature 0.
+lossless rule reduces to exact match, so every rule stays well defined at temperature 0. A positive
+temperature below :data:`GREEDY_TEMPERATURE` counts as 0: the tempered distribution is then all but
+one-hot at the argmax, and dividing logits by such a temperature overflows float32 (``1e-40``
+turns every logit into ``inf`` and the softmax into NaN).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 
+#: positive temperatures below this decode greedily, exactly as temperature 0
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,7 +32,8 @@ class SamplingParams:
     Attributes
     ----------
     temperature:
-        0 for greedy decoding, otherwise the softmax temperature (> 0).
+        0 for greedy decoding, otherwise the softmax temperature (> 0); below
+        :data:`GREEDY_TEMPERATURE` it decodes greedily, as 0.
     top_k:
         Keep only the ``top_k`` most likely tokens (0 or ``None`` disables).
     top_p:
@@ -47,7 +54,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether decoding is greedy: temperature 0 or below :data:`GREEDY_TEMPERATURE`."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def check_finite(logits: torch.Tensor, who: str) -> None:
@@ -59,7 +67,7 @@ def check_finite(logits: torch.Tensor, who: str) -> None:
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Map logits ``[..., V]`` to float32 probabilities ``[..., V]`` under ``params``.
 
-    Greedy (temperature 0) returns one-hot vectors of the argmax. Otherwise: divide by the
+    Greedy (temperature below :data:`GREEDY_TEMPERATURE`) returns one-hot vectors of the argmax. Otherwise: divide by the
     temperature, mask everything outside the top-k, then everything outside the top-p nucleus
     (the token that crosses ``top_p`` is kept, so at least one token always survives), softmax.
     """

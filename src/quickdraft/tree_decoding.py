@@ -51,7 +51,9 @@ import torch
 
 from quickdraft.divergences import get_divergence
 from quickdraft.drafters import pending_block
-from quickdraft.engine import GenerationOutput, TokenCallback, append_emitted, finish_output
+from quickdraft.engine import (
+    GenerationOutput, TokenCallback, append_emitted, check_max_new_tokens, check_prompts, finish_output,
+)
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.multidraft_proposals import sample_rows
@@ -235,10 +237,8 @@ def generate_tree(
         ``"race"`` the children are the race candidates (the ``race`` scheme), with a sampled
         scheme they are drawn by that scheme.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise QuickdraftError("empty prompt: every prompt needs at least one token")
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise QuickdraftError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_prompts(prompts, int(target.model.config.vocab_size))
+    check_max_new_tokens(max_new_tokens)
     fuzzy = rule if isinstance(rule, Fuzzy) else None
     race = rule if isinstance(rule, ExponentialRace) else None
     if rule is not None and not isinstance(rule, (Fuzzy, Greedy, Lossless, ExponentialRace)):

@@ -442,3 +442,73 @@ def test_rule_registry_and_flags():
     assert all(RULES[name]().name == name for name in RULES)
     assert [RULES[n]().lossless for n in ("lossless", "greedy", "fsd", "typical", "ersd")] == [True, True, False, False, True]
     assert not ExponentialRace().needs_raw and Fuzzy().needs_raw and not Fuzzy(hybrid=True, threshold=0).needs_raw
+
+
+# -- one validation of probability inputs for verify_chain and multidraft.sample_step -------------
+
+
+def _valid_chain(b=3, k=2, v=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    draft_probs = torch.rand(b, k, v, generator=gen).softmax(-1)
+    target_probs = torch.rand(b, k + 1, v, generator=gen).softmax(-1)
+    draft_ids = torch.multinomial(draft_probs.reshape(-1, v), 1, generator=gen).reshape(b, k)
+    return draft_ids, draft_probs, target_probs
+
+
+def _spoil(probs, how):
+    probs = probs.clone()
+    if how == "unnormalised":
+        probs[0, ...] *= 1.5
+    elif how == "negative":
+        probs[0, ..., 0] -= 0.5
+        probs[0, ..., 1] += 0.5  # still sums to 1
+    elif how == "all-zero":
+        probs[0, ...] = 0.0
+    elif how == "infinite":
+        probs[0, ..., 0] = float("inf")
+    elif how == "NaN":
+        probs[0, ..., 0] = float("nan")
+    return probs
+
+
+BAD_PROBS = {"unnormalised": "sum to 1", "negative": "negative probabilities", "all-zero": "all-zero",
+             "infinite": "infinite", "NaN": "NaN"}
+
+
+@pytest.mark.parametrize("how", list(BAD_PROBS))
+@pytest.mark.parametrize("which", ["draft_probs", "target_probs"])
+def test_verify_chain_and_sample_step_reject_the_same_bad_distributions(how, which):
+    from quickdraft.multidraft import sample_step
+
+    draft_ids, draft_probs, target_probs = _valid_chain()
+    if which == "draft_probs":
+        draft_probs = _spoil(draft_probs, how)
+    else:
+        target_probs = _spoil(target_probs, how)
+    pattern = f"{which} .*{BAD_PROBS[how]}"
+    for rule in (Lossless(), Greedy()):
+        with pytest.raises(QuickdraftError, match=pattern):
+            verify_chain(draft_ids, draft_probs, target_probs, rule, torch.Generator().manual_seed(0))
+    step_args = (target_probs[:, 0], draft_probs[:, 0])
+    with pytest.raises(QuickdraftError, match=pattern):
+        sample_step(*step_args, 1, "with_replacement", "rrs", torch.Generator().manual_seed(0))
+
+
+def test_distributions_off_by_float_rounding_pass():
+    """Engine-like inputs: float32 softmax over a large vocabulary (sums off by ~1e-6), bfloat16
+    probabilities (off by up to ~1e-3 / 2), one-hot greedy rows."""
+    from quickdraft.sampling import ROW_SUM_TOLERANCE, check_distributions
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 151_936, generator=gen) * 4
+    target_probs = logits.softmax(-1)
+    check_distributions(target_probs, "target_probs")
+    check_distributions(target_probs.bfloat16(), "target_probs")
+    draft_probs = torch.nn.functional.one_hot(logits[:, :2].argmax(-1), 151_936).float()
+    draft_ids = draft_probs.argmax(-1)
+    out = verify_chain(draft_ids, draft_probs, target_probs, Lossless(), gen)
+    assert out.output_ids.shape == (2, 3)
+    # just inside and just outside the tolerance
+    check_distributions(torch.tensor([[0.5, 0.5 + 0.9 * ROW_SUM_TOLERANCE]]), "p")
+    with pytest.raises(QuickdraftError, match="sum to 1"):
+        check_distributions(torch.tensor([[0.5, 0.5 + 1.1 * ROW_SUM_TOLERANCE]]), "p")

@@ -46,12 +46,11 @@ import torch
 from quickdraft.errors import QuickdraftError
 from quickdraft.multidraft_proposals import SAMPLERS, Drafts
 from quickdraft.multidraft_verifiers import kseq_verify, optimal_greedy_verify, rrs_verify
+from quickdraft.sampling import ROW_SUM_TOLERANCE, check_distributions
 
 SamplingName = Literal["with_replacement", "without_replacement", "greedy"]
 VerifierName = Literal["rrs", "kseq", "optimal_greedy"]
 
-#: how far a row sum may be from 1 before the input is rejected (rows are renormalised after)
-ROW_SUM_TOLERANCE = 1e-3
 
 
 def _rrs(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: Drafts, generator) -> torch.Tensor:
@@ -95,24 +94,14 @@ class StepResult:
 
 
 def _as_distribution(probs: object, who: str) -> torch.Tensor:
-    if not isinstance(probs, torch.Tensor):
-        raise QuickdraftError(f"{who} must be a torch.Tensor, got {type(probs).__name__}")
-    if not probs.is_floating_point():
-        raise QuickdraftError(f"{who} must be a floating-point tensor, got {probs.dtype}")
+    """``probs [B, V]`` checked by :func:`quickdraft.sampling.check_distributions`, renormalised in float64."""
+    check_distributions(probs, who)
     if probs.dim() != 2:
         raise QuickdraftError(f"{who} must be [B, V], got shape {tuple(probs.shape)}")
     if probs.shape[0] == 0 or probs.shape[1] == 0:
         raise QuickdraftError(f"{who} must have at least one row and one token, got shape {tuple(probs.shape)}")
     probs = probs.to(torch.float64)
-    if not bool(torch.isfinite(probs).all()):
-        raise QuickdraftError(f"{who} contains NaN or infinite values")
-    if bool((probs < 0).any()):
-        raise QuickdraftError(f"{who} contains negative probabilities")
-    sums = probs.sum(dim=-1)
-    worst = (sums - 1).abs().max().item()
-    if worst > ROW_SUM_TOLERANCE:
-        raise QuickdraftError(f"{who} rows must sum to 1 (largest deviation {worst:.3g})")
-    return probs / sums.unsqueeze(-1)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def sample_step(

@@ -58,6 +58,50 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+#: how far a distribution's total may be from 1 before it is rejected: float rounding of a softmax
+#: over a large vocabulary stays far below it, a distribution that is not normalised does not
+ROW_SUM_TOLERANCE = 1e-3
+
+
+def check_distributions(probs: torch.Tensor, who: str) -> None:
+    """Raise :class:`QuickdraftError` unless every vector along the last dimension of ``probs`` is a
+    probability distribution.
+
+    Parameters
+    ----------
+    probs:
+        ``[..., V]`` floating-point tensor; empty tensors pass.
+    who:
+        The argument's name, for the message.
+
+    Raises
+    ------
+    QuickdraftError
+        If ``probs`` is not a floating-point tensor, holds NaN, infinite or negative entries, or a
+        vector whose sum is farther than :data:`ROW_SUM_TOLERANCE` from 1 (an all-zero vector is
+        named as such).
+    """
+    if not isinstance(probs, torch.Tensor):
+        raise QuickdraftError(f"{who} must be a torch.Tensor, got {type(probs).__name__}")
+    if not probs.is_floating_point():
+        raise QuickdraftError(f"{who} must be a floating-point tensor, got {probs.dtype}")
+    if probs.numel() == 0:
+        return
+    if not bool(torch.isfinite(probs).all()):
+        kind = "NaN" if bool(torch.isnan(probs).any()) else "infinite values"
+        raise QuickdraftError(f"{who} contains NaN or infinite values ({kind})")
+    if bool((probs < 0).any()):
+        raise QuickdraftError(f"{who} contains negative probabilities (min {probs.min().item():.3g})")
+    sums = probs.sum(dim=-1, dtype=torch.float64)
+    if bool((sums == 0).any()):
+        raise QuickdraftError(f"{who} has an all-zero distribution (no token has positive probability)")
+    worst = (sums - 1).abs().max().item()
+    if worst > ROW_SUM_TOLERANCE:
+        raise QuickdraftError(
+            f"{who} distributions must sum to 1 (largest deviation {worst:.3g}, tolerance {ROW_SUM_TOLERANCE:g})"
+        )
+
+
 def check_finite(logits: torch.Tensor, who: str) -> None:
     """Raise a clear error if ``logits`` hold NaN (a broken model or dtype overflow)."""
     if torch.isnan(logits).any():

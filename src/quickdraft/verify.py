@@ -30,6 +30,7 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.rules import Rule, VerifyContext
+from quickdraft.sampling import check_distributions
 
 
 @dataclass
@@ -57,6 +58,9 @@ class Verification:
 
 
 def _check_inputs(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> None:
+    for who, t in (("draft_ids", draft_ids), ("draft_probs", draft_probs), ("target_probs", target_probs)):
+        if not isinstance(t, torch.Tensor):
+            raise QuickdraftError(f"{who} must be a torch.Tensor, got {type(t).__name__}")
     if draft_ids.dim() != 2:
         raise QuickdraftError(f"draft_ids must be [B, K], got shape {tuple(draft_ids.shape)}")
     b, k = draft_ids.shape
@@ -73,8 +77,8 @@ def _check_inputs(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_pro
     v = draft_probs.shape[-1]
     if k and (draft_ids.min() < 0 or draft_ids.max() >= v):
         raise QuickdraftError(f"draft_ids out of range [0, {v})")
-    if torch.isnan(draft_probs).any() or torch.isnan(target_probs).any():
-        raise QuickdraftError("draft_probs or target_probs contain NaN")
+    check_distributions(draft_probs, "draft_probs")
+    check_distributions(target_probs, "target_probs")
 
 
 def verify_chain(
@@ -97,7 +101,9 @@ def verify_chain(
         ``[B, K, V]`` the distributions the draft tokens were drawn from.
     target_probs:
         ``[B, K+1, V]`` the target's distributions at the same positions; the last row is the
-        distribution of the bonus token.
+        distribution of the bonus token. Both must be distributions: finite, non-negative, each
+        summing to 1 within :data:`quickdraft.sampling.ROW_SUM_TOLERANCE`
+        (:func:`quickdraft.sampling.check_distributions`).
     rule:
         An acceptance rule from :mod:`quickdraft.rules`.
     generator:

@@ -12,6 +12,10 @@ One step of chain speculative decoding, for every row of the batch at once::
 Plain decoding is the same step with K = 0: ``verify_chain`` then only emits the bonus token, so
 every rule (greedy, sampling, exponential race) also defines its own plain decoding.
 
+:class:`Decoder` holds a batch's state and runs one step per :meth:`Decoder.step`; :func:`generate`
+steps a fixed batch to the end, and the server's scheduler (continuous batching) adds and removes
+rows between steps.
+
 A draft longer than the budget left (``max_new_tokens`` minus the tokens emitted, minus the bonus
 token) would be cut off after verification anyway, so each step drafts at most that many tokens
 (:class:`quickdraft.policies.BudgetCap`); a row's last token is then a plain step. The cap depends
@@ -207,65 +211,244 @@ def generate(
     """
     if method not in METHODS:
         raise QuickdraftError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    vocab = int(target.model.config.vocab_size)
-    check_prompts(prompts, vocab)
-    check_max_new_tokens(max_new_tokens)
-    if method != "ar" and drafter is None:
-        raise QuickdraftError(f"method {method!r} needs a drafter")
-    rule = rule or default_rule(sampling)
-    policy = policy or Constant(4)
-    eos_ids = set(eos_token_ids or ())
-    step_k = policy.begin_step()
-    if isinstance(step_k, bool) or int(step_k) != step_k or not 1 <= step_k <= MAX_DRAFT_LENGTH:
-        raise QuickdraftError(
-            f"policy {policy.name!r} asks for a draft of {step_k!r} tokens; the draft length must be an "
-            f"integer in [1, {MAX_DRAFT_LENGTH}]"
-        )
-    # room for the longest draft and its bonus token
-    draft_room = 0 if method == "ar" else max(step_k, getattr(drafter, "max_draft", 0)) + 1
-    needed = max(len(p) for p in prompts) + max_new_tokens + draft_room
-    if needed > target.max_positions:
-        raise QuickdraftError(
-            f"context overflow: prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "
-            f"+ draft exceeds the target's maximum of {target.max_positions} tokens"
-        )
-
-    b = len(prompts)
-    device = target.device
-    generator = torch.Generator(device=device).manual_seed(int(seed) if seed is not None else int(torch.seed() % (1 << 62)))
-    sequences = [list(p) for p in prompts]
-    new_ids: list[list[int]] = [[] for _ in range(b)]
-    metrics = [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
-    active = torch.ones(b, dtype=torch.bool, device=device)
-    finish = ["length"] * b
-    row_ids = torch.arange(b, device=device)
-
-    # -- prefill: everything but each prompt's last token --------------------------------------
+    check_prompts(prompts, int(target.model.config.vocab_size))
     t0 = time.perf_counter()
-    total_draft_forwards = 0
-    target.reset(b)
-    target.num_forwards = 0
-    if method != "ar":
-        drafter.start(sequences)
-    prefix = [s[:-1] for s in sequences]
-    if max(len(p) for p in prefix) > 0:
-        ids, valid = pending_block(prefix, target.lengths)
-        target.forward(ids, valid, logits_to_keep=1)
-        for m in metrics:
-            m.target_forwards += 1
-    if method != "ar":
-        drafter.prefill(sequences)
+    decoder = Decoder(
+        target, prompts, method=method, drafter=drafter, rule=rule, policy=policy, sampling=sampling,
+        max_new_tokens=max_new_tokens, seed=seed, eos_token_ids=eos_token_ids, stop=stop, on_tokens=on_tokens,
+    )
     prefill_seconds = time.perf_counter() - t0
-
     t1 = time.perf_counter()
-    needs_raw = getattr(rule, "needs_raw", False)
-    while active.any():
+    while decoder.active.any():
+        decoder.step()
+    decode_seconds = time.perf_counter() - t1
+    return finish_output(decoder.new_ids, decoder.metrics, decoder.finish, prefill_seconds, decode_seconds,
+                         target.num_forwards, decoder.draft_forwards)
+
+
+def _draft_runner(drafter) -> ModelRunner | None:
+    """The draft model's runner of ``drafter`` (``None`` for a model-free drafter)."""
+    if isinstance(drafter, NGramModelDrafter):
+        return drafter.model.runner
+    return getattr(drafter, "runner", None)
+
+
+def _grow(runner, n: int) -> None:
+    if runner.batch_size == 0:
+        runner.reset(n)
+    else:
+        runner.add_rows(n)
+
+
+def _shrink(runner, rows: list[int]) -> None:
+    if len(set(rows)) == runner.batch_size:
+        runner.reset(0)
+    else:
+        runner.remove_rows(rows)
+
+
+def _prefill(runner, sequences: list[list[int]], first_new: int) -> bool:
+    """Feed rows ``first_new ..`` every token but their last; earlier rows are padding. Returns
+    whether a forward ran."""
+    lengths = runner.lengths.tolist()
+    prefix = [s[: int(n)] for s, n in zip(sequences[:first_new], lengths)] + [s[:-1] for s in sequences[first_new:]]
+    if max(len(p) - int(n) for p, n in zip(prefix, lengths)) <= 0:
+        return False
+    ids, valid = pending_block(prefix, runner.lengths)
+    runner.forward(ids, valid, logits_to_keep=1)
+    return True
+
+
+class Decoder:
+    """A batch decoded one step at a time: :func:`generate` steps a fixed batch to the end; a
+    scheduler (continuous batching, :mod:`quickdraft.serve.scheduler`) adds rows with
+    :meth:`add_rows` and drops them with :meth:`remove_rows` between steps.
+
+    Parameters are those of :func:`generate`; ``prompts`` may be empty, and ``max_new_tokens`` is the
+    budget of these first rows (:meth:`add_rows` takes one per row). The runners need
+    ``add_rows`` / ``remove_rows`` for rows to join or leave a batch that is not empty.
+
+    Attributes
+    ----------
+    sequences: prompt plus new tokens of every row.
+    new_ids: the new tokens of every row.
+    metrics: one :class:`GenerationMetrics` per row.
+    finish: ``"length"`` while a row runs or when it ran out of budget, ``"eos"``, ``"stop"``.
+    active: ``[B]`` bool, rows still generating.
+    max_new_tokens: every row's budget.
+    draft_forwards: draft forwards of all steps.
+    """
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        prompts: list[list[int]],
+        *,
+        method: Method = "sd",
+        drafter: ModelDrafter | NGramDrafter | NGramModelDrafter | None = None,
+        rule: Rule | None = None,
+        policy: Policy | None = None,
+        sampling: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 128,
+        seed: int | None = 0,
+        eos_token_ids: set[int] | None = None,
+        stop: Callable[[int, list[int]], int | None] | None = None,
+        on_tokens: TokenCallback | None = None,
+    ) -> None:
+        if method not in METHODS:
+            raise QuickdraftError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        self.vocab = int(target.model.config.vocab_size)
+        if isinstance(prompts, (str, bytes)) or len(prompts):
+            check_prompts(prompts, self.vocab)
+        check_max_new_tokens(max_new_tokens)
+        if method != "ar" and drafter is None:
+            raise QuickdraftError(f"method {method!r} needs a drafter")
+        self.target = target
+        self.method = method
+        self.drafter = drafter
+        self.rule = rule or default_rule(sampling)
+        self.policy = policy or Constant(4)
+        self.sampling = sampling
+        self.eos_ids = set(eos_token_ids or ())
+        self.stop = stop
+        self.on_tokens = on_tokens
+        step_k = self.policy.begin_step()
+        if isinstance(step_k, bool) or int(step_k) != step_k or not 1 <= step_k <= MAX_DRAFT_LENGTH:
+            raise QuickdraftError(
+                f"policy {self.policy.name!r} asks for a draft of {step_k!r} tokens; the draft length must be an "
+                f"integer in [1, {MAX_DRAFT_LENGTH}]"
+            )
+        # room for the longest draft and its bonus token
+        self.draft_room = 0 if method == "ar" else max(step_k, getattr(drafter, "max_draft", 0)) + 1
+        self._check_context(prompts, [max_new_tokens] * len(prompts))
+
+        b = len(prompts)
+        device = target.device
+        self.generator = torch.Generator(device=device).manual_seed(
+            int(seed) if seed is not None else int(torch.seed() % (1 << 62)))
+        self.sequences = [list(p) for p in prompts]
+        self.new_ids: list[list[int]] = [[] for _ in range(b)]
+        self.metrics = [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
+        self.active = torch.ones(b, dtype=torch.bool, device=device)
+        self.finish = ["length"] * b
+        self.max_new_tokens = [int(max_new_tokens)] * b
+        self.row_ids = torch.arange(b, device=device)
+        self._next_row_id = b
+        self.draft_forwards = 0
+
+        # -- prefill: everything but each prompt's last token ----------------------------------
+        target.reset(b)
+        target.num_forwards = 0
+        if method != "ar":
+            drafter.start(self.sequences)
+        if b and _prefill(target, self.sequences, 0):
+            for m in self.metrics:
+                m.target_forwards += 1
+        if method != "ar" and b:
+            drafter.prefill(self.sequences)
+
+    # -- rows ------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.sequences)
+
+    def _check_context(self, prompts: list[list[int]], max_new_tokens: list[int]) -> None:
+        if not prompts:
+            return
+        row = max(range(len(prompts)), key=lambda r: len(prompts[r]) + max_new_tokens[r])
+        if len(prompts[row]) + max_new_tokens[row] + self.draft_room > self.target.max_positions:
+            raise QuickdraftError(
+                f"context overflow: prompt ({len(prompts[row])} tokens) + max_new_tokens ({max_new_tokens[row]}) "
+                f"+ draft exceeds the target's maximum of {self.target.max_positions} tokens"
+            )
+
+    def add_rows(self, prompts: list[list[int]], max_new_tokens: list[int]) -> None:
+        """Append rows for ``prompts`` (each with its own ``max_new_tokens``) and prefill them; they
+        take part from the next :meth:`step`. On an error the batch is left as it was."""
+        if not prompts:
+            return
+        check_prompts(prompts, self.vocab)
+        if len(max_new_tokens) != len(prompts):
+            raise QuickdraftError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
+        for n in max_new_tokens:
+            check_max_new_tokens(n)
+        self._check_context(prompts, max_new_tokens)
+        first, n = self.batch_size, len(prompts)
+        device = self.target.device
+        runners = [self.target] + [r for r in [_draft_runner(self.drafter)] if r is not None]
+        self.sequences += [list(p) for p in prompts]
+        self.new_ids += [[] for _ in prompts]
+        self.metrics += [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
+        self.active = torch.cat([self.active, torch.ones(n, dtype=torch.bool, device=device)])
+        self.finish += ["length"] * n
+        self.max_new_tokens += [int(m) for m in max_new_tokens]
+        self.row_ids = torch.cat([self.row_ids, torch.arange(self._next_row_id, self._next_row_id + n, device=device)])
+        self._next_row_id += n
+        grown = []
+        try:
+            for runner in runners:
+                _grow(runner, n)
+                grown.append(runner)
+            if _prefill(self.target, self.sequences, first):
+                for m in self.metrics[first:]:
+                    m.target_forwards += 1
+            for runner in runners[1:]:
+                _prefill(runner, self.sequences, first)
+        except Exception:
+            rows = list(range(first, first + n))
+            for runner in grown:
+                if runner.batch_size == first + n:
+                    _shrink(runner, rows)
+            self._drop(rows)
+            raise
+
+    def _drop(self, rows: list[int]) -> None:
+        gone = set(rows)
+        keep = [r for r in range(self.batch_size) if r not in gone]
+        for name in ("sequences", "new_ids", "metrics", "finish", "max_new_tokens"):
+            items = getattr(self, name)
+            setattr(self, name, [items[r] for r in keep])
+        index = torch.tensor(keep, dtype=torch.long, device=self.target.device)
+        self.active = self.active.index_select(0, index)
+        self.row_ids = self.row_ids.index_select(0, index)
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop ``rows`` (finished or cancelled) from the batch and from both KV caches; the other
+        rows keep their order."""
+        rows = sorted({int(r) for r in rows})
+        if not rows:
+            return
+        _shrink(self.target, rows)
+        runner = _draft_runner(self.drafter)
+        if runner is not None:
+            _shrink(runner, rows)
+        self._drop(rows)
+
+    def compact(self, min_slots: int = 64) -> None:
+        """Drop the KV-cache holes of a runner whose cache is more than half holes (``min_slots``
+        slots or more); a long-lived batch whose rows come and go stays about as long as its
+        longest row."""
+        for runner in (self.target, _draft_runner(self.drafter)):
+            if runner is None or not hasattr(runner, "compact") or runner.num_slots < min_slots:
+                continue
+            if 2 * int((runner.slot_pos < 0).sum()) > runner.batch_size * runner.num_slots:
+                runner.compact()
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One draft-verify-commit step for every active row (see the module docstring)."""
+        if not bool(self.active.any()):
+            return
+        target, drafter, policy, rule, sampling = self.target, self.drafter, self.policy, self.rule, self.sampling
+        sequences, new_ids, metrics, active = self.sequences, self.new_ids, self.metrics, self.active
+        b, vocab, device = self.batch_size, self.vocab, target.device
+        needs_raw = getattr(rule, "needs_raw", False)
         seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
-        ctx = VerifyContext(generator=generator, positions=seq_lens.clone(), extra={"row_ids": row_ids})
+        ctx = VerifyContext(generator=self.generator, positions=seq_lens.clone(), extra={"row_ids": self.row_ids})
         # 1. draft, at most what is left of the longest active row's budget after its bonus token
         live = active.tolist()
-        cap = max(max_new_tokens - len(new_ids[row]) for row in range(b) if live[row]) - 1
-        if method == "ar" or cap == 0:
+        cap = max(self.max_new_tokens[row] - len(new_ids[row]) for row in range(b) if live[row]) - 1
+        if self.method == "ar" or cap == 0:
             draft = Draft(
                 ids=torch.zeros((b, 0), dtype=torch.long, device=device),
                 probs=torch.zeros((b, 0, vocab), device=device),
@@ -275,7 +458,7 @@ def generate(
         else:
             draft = drafter.propose(sequences, BudgetCap(policy, cap), rule, sampling, ctx, active).truncate(cap)
         k = draft.ids.shape[1]
-        total_draft_forwards += draft.forwards
+        self.draft_forwards += draft.forwards
         was_active = active.clone()
         # 2. verify: one target forward over [pending, drafts]
         draft = draft.to(device)
@@ -310,16 +493,13 @@ def generate(
             m.target_forwards += 1
             m.draft_forwards += draft.forwards
             m.record_step(lengths_list[row], n, lossy_list[row])
-            if not append_emitted(row, emitted, new_ids, sequences, finish, max_new_tokens, eos_ids, stop, on_tokens):
+            if not append_emitted(row, emitted, new_ids, sequences, self.finish, self.max_new_tokens[row],
+                                  self.eos_ids, self.stop, self.on_tokens):
                 active[row] = False
         # roll back: keep what is still a prefix of each sequence
         valid_prefix = seq_lens + accepted
         target.truncate(torch.minimum(target.lengths, valid_prefix))
-        if method != "ar":
+        if self.method != "ar":
             drafter.commit(sequences, valid_prefix)
             if cap > 0:  # the policy drafted this step
                 policy.update(k, accepted[was_active])
-    decode_seconds = time.perf_counter() - t1
-
-    return finish_output(new_ids, metrics, finish, prefill_seconds, decode_seconds,
-                         target.num_forwards, total_draft_forwards)

@@ -18,7 +18,7 @@ import pytest
 import scipy.stats
 import torch
 
-from quickdraft.divergences import js
+from quickdraft.divergences import DIVERGENCES, js
 from quickdraft.errors import QuickdraftError
 from quickdraft.rules import (
     Fuzzy,
@@ -323,7 +323,7 @@ def test_fsd_draft_modes_and_validation():
     assert Fuzzy().greedy_drafts and not Fuzzy(greedy_drafts=False).greedy_drafts
     assert not Fuzzy(hybrid=True).greedy_drafts
     assert Fuzzy(hybrid=True, threshold=0).lossless and not Fuzzy(hybrid=True, threshold=0.1).lossless
-    assert not Fuzzy(threshold=0).lossless
+    assert Fuzzy(threshold=0).lossless and not Fuzzy(threshold=1e-9).lossless
     probs = torch.tensor([[0.2, 0.5, 0.3]])
     assert Fuzzy().propose(probs, VerifyContext()).tolist() == [1]
     for bad, msg in [
@@ -512,3 +512,35 @@ def test_distributions_off_by_float_rounding_pass():
     check_distributions(torch.tensor([[0.5, 0.5 + 0.9 * ROW_SUM_TOLERANCE]]), "p")
     with pytest.raises(QuickdraftError, match="sum to 1"):
         check_distributions(torch.tensor([[0.5, 0.5 + 1.1 * ROW_SUM_TOLERANCE]]), "p")
+
+
+@pytest.mark.parametrize("divergence", sorted(DIVERGENCES))
+def test_fsd_at_threshold_zero_is_lossless_draw_for_draw(divergence):
+    """``Fuzzy(threshold=0).lossless`` is what the rule does, for every divergence: hybrid FSD
+    emits exactly Lossless's tokens (same random stream), plain FSD exactly the target samples of
+    plain decoding; neither counts a lossy acceptance. At T > 0 the fuzzy test accepts drafts that
+    Lossless rejects (the negative control)."""
+    from quickdraft.sampling import sample
+
+    gen = torch.Generator().manual_seed(3)
+    b, k, v = 400, 3, 8
+    draft_probs = (torch.randn(b, k, v, generator=gen) * 2).softmax(-1)
+    target_probs = (torch.randn(b, k + 1, v, generator=gen) * 2).softmax(-1)
+    draft_ids = torch.multinomial(draft_probs.reshape(-1, v), 1, generator=gen).reshape(b, k)
+    ctx = lambda: VerifyContext(raw_draft_probs=draft_probs, raw_target_probs=target_probs)  # noqa: E731
+
+    def run(rule, seed=5):
+        return verify_chain(draft_ids, draft_probs, target_probs, rule, torch.Generator().manual_seed(seed), ctx=ctx())
+
+    exact = run(Lossless())
+    hybrid = run(Fuzzy(divergence=divergence, threshold=0, hybrid=True))
+    assert Fuzzy(divergence=divergence, threshold=0, hybrid=True).lossless
+    assert torch.equal(hybrid.output_ids, exact.output_ids) and torch.equal(hybrid.num_accepted, exact.num_accepted)
+    assert int(hybrid.num_lossy.sum()) == 0 and int(exact.num_accepted.sum()) > 0
+    plain = run(Fuzzy(divergence=divergence, threshold=0))
+    assert Fuzzy(divergence=divergence, threshold=0).lossless
+    assert int(plain.num_accepted.sum()) == 0 and int(plain.num_lossy.sum()) == 0
+    assert torch.equal(plain.output_ids[:, 0], sample(target_probs[:, 0], torch.Generator().manual_seed(5)))
+    loose = Fuzzy(divergence=divergence, threshold=math.inf, hybrid=True)
+    assert not loose.lossless
+    assert int(run(loose).num_accepted.sum()) > int(exact.num_accepted.sum())

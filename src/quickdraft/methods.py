@@ -10,7 +10,7 @@ sd         draft LM   greedy (T = 0) or lossless (T > 0)         Leviathan/Chen
 ngram      n-gram     greedy (T = 0) or lossless (T > 0)         prompt lookup decoding
 ngram_sd   both       greedy (T = 0) or lossless (T > 0)         prompt lookup where it matches,
                                                                  else the draft model
-fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless hybrid & T = 0
+fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless T = 0
 typical    draft LM   Typical(epsilon, delta)                    lossy
 ersd       draft LM   ExponentialRace(seed, candidates)          lossless, shared randomness;
                                                                  candidates > 1: a race tree

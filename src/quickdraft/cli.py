@@ -136,6 +136,76 @@ def generate(
         _print_metrics(completion)
 
 
+@app.command()
+def serve(
+    target: str = typer.Option("target", help="Registry name, alias, HF model directory or .gguf file."),
+    draft: str = typer.Option("draft", help="Registry name, alias, HF model directory or .gguf file; 'none' for no draft."),
+    backend: str = typer.Option(
+        "torch", help="torch (continuous batching); openvino (one batch at a time); llamacpp (one request at a time)."),
+    dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
+    draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
+    quantize: str = typer.Option("auto", help="Weights: auto, none, int8 or int4 (as for `generate`)."),
+    quantize_draft: Optional[str] = typer.Option(None, help="Override --quantize for the draft alone."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in /v1/models (default: --target)."),
+    method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, fsd, typical, ersd."),
+    k: int = typer.Option(4, "--k", help="Default draft length."),
+    policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp."),
+    temperature: float = typer.Option(0.0, help="Default temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Default top-p."),
+    top_k: int = typer.Option(0, "--top-k", help="Default top-k (0 = off)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Default max_tokens of a request."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Context limit per row (default: the target's)."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Most rows decoded at once (over all settings)."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Request size limit."),
+    divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),
+    threshold: float = typer.Option(0.4, help="fsd: divergence threshold T (>= 0)."),
+    hybrid: bool = typer.Option(False, "--hybrid", help="fsd: lossless test instead of rejection above T."),
+    fsd_raw: bool = typer.Option(True, "--raw/--processed", help="fsd: divergence on the raw or processed distributions."),
+    divergence_top_k: int = typer.Option(50, "--divergence-top-k", help="fsd: k of the topk_* divergences."),
+    drafts: str = typer.Option("auto", "--drafts", help="fsd, typical: auto, greedy or sampled."),
+    epsilon: float = typer.Option(0.09, help="typical: posterior threshold epsilon in (0, 1]."),
+    delta: float = typer.Option(0.3, help="typical: posterior alpha delta > 0."),
+    head: Optional[str] = typer.Option(None, help="specdecpp: path of the trained acceptance head."),
+    stop_threshold: float = typer.Option(0.5, "--stop-threshold", help="specdecpp: threshold h; confidence: p_min."),
+    drain_seconds: float = typer.Option(60.0, "--drain-seconds", help="At shutdown, wait this long for running requests."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions) with speculative decoding."""
+    try:
+        from quickdraft.serve.app import ServerConfig
+        from quickdraft.serve.server import run_server
+        from quickdraft.serve.settings import ServeDefaults, build_spec
+    except ImportError as err:
+        fail(f"{err.name or err} is missing: pip install -e '.[serve]'")
+        return
+    try:
+        defaults = ServeDefaults(
+            method=method, k=k, policy=policy, threshold=threshold, divergence=divergence, hybrid=hybrid,
+            drafts=drafts, epsilon=epsilon, delta=delta, stop_threshold=stop_threshold, head=head,
+            fsd_raw=fsd_raw, divergence_top_k=divergence_top_k,
+        )
+        sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
+        build_spec(defaults, sampling, 0)  # a bad default fails here, not at the first request
+        from quickdraft.pipeline import Pipeline
+
+        use_draft = None if draft.lower() == "none" else draft
+        pipe = Pipeline.from_specs(
+            target, use_draft, dtype=dtype, backend=backend, quantize=quantize, quantize_draft=quantize_draft,
+            draft_dtype=draft_dtype,
+        )
+    except QuickdraftError as err:
+        fail(str(err))
+        return
+    config = ServerConfig(
+        model_name=model_name or target, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+        max_context=max_context, max_rows=max_batch, max_body_bytes=max_body_bytes, drain_seconds=drain_seconds,
+        defaults=defaults,
+    )
+    run_server(pipe, config, host=host, port=port, log_level=log_level)
+
+
 def _print_metrics(completion) -> None:
     typer.echo("")
     m = completion.metrics

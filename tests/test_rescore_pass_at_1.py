@@ -50,16 +50,17 @@ def test_rescore_reports_and_saves_only_changed_verdicts(small_run, capsys):
 
     assert script.main([str(run)]) == 0  # dry run: prints, writes nothing
     out = capsys.readouterr().out
-    assert "sd:k=8" in out and "pass@1   1/2   ->   2/2" in out and "<- changed" in out
-    assert "1 verdicts changed (not saved: pass --write)" in out
+    assert "sd:k=8" in out and "pass@1   1/2   ->   2/2" in out and "<- changed" in out, out
+    assert "1 verdicts changed (not saved: pass --write)" in out, out
     assert json.loads(wrong.read_text())["quality"]["passed"] is False
     assert not (run / "summary.json").exists()
 
     assert script.main([str(run), "--write"]) == 0
+    out = capsys.readouterr().out
     fixed = json.loads(wrong.read_text())["quality"]
-    assert (fixed["passed"], fixed["sandbox_status"], fixed["detail"]) == (True, "passed", "")
+    assert (fixed["passed"], fixed["sandbox_status"], fixed["detail"]) == (True, "passed", ""), out
     assert fixed["isolation"] in ("namespaces", "basic") and fixed["network"]
-    assert right.read_text() == untouched  # an unchanged verdict is not rewritten
+    assert right.read_text() == untouched, out  # an unchanged verdict is not rewritten
     summary = json.loads((run / "summary.json").read_text())
     assert [(r["method"], r["passed"]) for r in summary["rows"]] == [("sd:k=8", 2)]
 

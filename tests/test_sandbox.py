@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -484,3 +485,24 @@ def test_bad_limits_are_rejected_with_the_field_name():
     for field, value in (("max_processes", 0), ("disk_bytes", 0), ("cpu_seconds", 0), ("timeout", 0)):
         with pytest.raises(sandbox.QuickdraftError, match=field):
             SandboxLimits(**{field: value})
+
+
+@needs_root
+def test_basic_mode_as_root_removes_what_the_run_left_in_shared_temporary_directories(basic_mode):
+    name = f"quickdraft-sandbox-test-{uuid.uuid4().hex}"
+    targets = [d for d in sandbox._SHARED_TMP_DIRS if os.path.isdir(d)]
+    program = (
+        "import os\n"
+        f"for d in {targets!r}:\n"
+        f"    open(os.path.join(d, {name!r}), 'w').write('x')\n"
+        f"    os.makedirs(os.path.join(d, {name!r} + '.dir', 'sub'))\n"
+    )
+    try:
+        outcome = run_program(program, FAST)
+        assert outcome.passed, outcome  # the writes happened on the host ...
+        for target in targets:  # ... and were removed after the run
+            assert not Path(target, name).exists() and not Path(target, name + ".dir").exists(), target
+    finally:
+        for target in targets:
+            Path(target, name).unlink(missing_ok=True)
+            shutil.rmtree(Path(target, name + ".dir"), ignore_errors=True)

@@ -31,9 +31,11 @@ what the machine allows:
 
 ``basic`` (everything else)
     Same limits and seccomp filter, no namespaces. The working directory is a fresh temporary
-    directory on the host, deleted afterwards; files the program writes elsewhere (e.g. world-
-    writable directories such as ``/tmp``) stay on the host, and only ``RLIMIT_FSIZE`` bounds
-    them (per file, not in total). A supervisor process (a child subreaper) kills every process the
+    directory on the host, deleted afterwards. As root, the program's private uid can write only to
+    world-writable directories, and what it leaves in ``/tmp``, ``/var/tmp``, ``/dev/shm`` and
+    ``/run/lock`` is deleted after the run; files it writes in other world-writable directories, and
+    without root any file outside the working directory, stay on the host. Only ``RLIMIT_FSIZE``
+    bounds what is written (per file, not in total). A supervisor process (a child subreaper) kills every process the
     program left behind, including ones that called ``setsid``. As root the program runs under a
     private uid with ``RLIMIT_NPROC``; without root it keeps the caller's uid and
     ``RLIMIT_NPROC`` is set to the uid's current thread count plus ``max_processes`` (approximate:
@@ -92,6 +94,8 @@ IsolationMode = Literal["namespaces", "basic"]
 _UID_BASE = 2_000_000_000
 _UID_SPAN = 100_000_000
 _NAMESPACE_ARGS = ["--net", "--pid", "--ipc", "--fork", "--mount", "--mount-proc", "--kill-child"]
+# World-writable host directories cleaned of the private uid's files after a basic-mode run as root.
+_SHARED_TMP_DIRS = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock"]
 
 #: What each :attr:`Outcome.network` value means.
 NETWORK_LEVELS = {
@@ -432,6 +436,25 @@ def _runner():
         except ChildProcessError:
             pass
         time.sleep(0.002)
+    if uid is not None and not job["private_fs"]:
+        # Basic mode as root: what the private uid left in the shared temporary directories goes too
+        # (the sticky bit lets it remove only its own entries).
+        import shutil
+        for directory in job["shared_tmp_dirs"]:
+            try:
+                entries = list(os.scandir(directory))
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    if entry.stat(follow_symlinks=False).st_uid != uid:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass
     os._exit(0)
 
 
@@ -441,8 +464,8 @@ _runner()
 _FILESYSTEM = {
     "namespaces": "host filesystem read-only; /tmp, /var/tmp, /dev/shm and /run on one private tmpfs "
     "(disk_bytes), discarded after the run",
-    "basic": "private working directory, deleted after the run; writes elsewhere (e.g. /tmp) stay on the "
-    "host, bounded only per file by RLIMIT_FSIZE",
+    "basic": "private working directory, deleted after the run (as root, also the run's files in /tmp, "
+    "/var/tmp, /dev/shm, /run/lock); other writes stay on the host, bounded only per file by RLIMIT_FSIZE",
 }
 _PROCESSES = {
     "namespaces": "PID namespace (leftover processes killed by the kernel); RLIMIT_NPROC on a private uid",
@@ -561,6 +584,7 @@ def _execute(
         "workdir": "/tmp/work" if mode == "namespaces" else host_workdir,
         "uid": uid,
         "rlimits": rlimits,
+        "shared_tmp_dirs": _SHARED_TMP_DIRS,
     }
     cmd = [python, "-I", "-c", _RUNNER]
     if mode == "namespaces":

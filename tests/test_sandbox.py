@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -506,3 +510,64 @@ def test_basic_mode_as_root_removes_what_the_run_left_in_shared_temporary_direct
         for target in targets:
             Path(target, name).unlink(missing_ok=True)
             shutil.rmtree(Path(target, name + ".dir"), ignore_errors=True)
+
+
+UNPRIVILEGED_CHECKS = r"""
+import json, os, socket, sys, time
+from quickdraft.sandbox import SandboxLimits, isolation_mode, run_humaneval_check, run_program
+limits = SandboxLimits(timeout=3.0)
+result = {"uid": os.getuid(), "mode": isolation_mode()}
+with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.3)
+    port = server.getsockname()[1]
+    raw = run_program(f"import _socket\ns = _socket.socket()\ns.connect(('127.0.0.1', {port}))\n", limits)
+    result["raw_socket"] = [raw.status, raw.detail, raw.network]
+    try:
+        server.accept()
+        result["listener_reached"] = True
+    except socket.timeout:
+        result["listener_reached"] = False
+problem = {"test": "def check(f):\n    assert f(1, 2) == 3\n", "entry_point": "add"}
+result["no_newline"] = run_humaneval_check(problem, "def add(a, b):\n    print(a, end='')\n    return a + b\n").status
+start = time.perf_counter()
+bomb = run_program("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", limits)
+result["fork_bomb"] = [bomb.status, time.perf_counter() - start]
+pidfile = os.path.join(sys.argv[1], "orphan")
+escape = f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    open({pidfile!r}, 'w').write(str(os.getpid()))\n    time.sleep(60)\ntime.sleep(0.3)\n"
+result["escape"] = run_program(escape, limits).status
+result["orphan"] = int(open(pidfile).read())
+print(json.dumps(result))
+"""
+
+
+@needs_root
+def test_basic_mode_as_an_unprivileged_user():
+    # The real unprivileged path (no uid change, no namespaces): run the checks as `nobody`.
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("needs util-linux setpriv")
+    shared = Path(tempfile.mkdtemp(prefix="quickdraft-sandbox-test-"))
+    shared.chmod(0o777)
+    src = Path(sandbox.__file__).resolve().parents[1]
+    try:
+        done = subprocess.run(
+            [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", UNPRIVILEGED_CHECKS,
+             str(shared)],
+            env={"PYTHONPATH": str(src), "PATH": os.environ.get("PATH", "")}, cwd="/", capture_output=True,
+            text=True, timeout=120,
+        )
+        if done.returncode != 0 and "Permission denied" in done.stderr:
+            pytest.skip(f"the interpreter or the sources are not readable by nobody: {done.stderr[-300:]}")
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert (result["uid"], result["mode"]) == (65534, "basic")
+    assert result["raw_socket"][0] == "error" and "Permission denied" in result["raw_socket"][1]
+    assert result["raw_socket"][2] == "seccomp" and result["listener_reached"] is False
+    assert result["no_newline"] == "passed"
+    assert result["fork_bomb"][0] == "timeout" and result["fork_bomb"][1] < 3.0 + 4.0
+    assert result["escape"] == "passed"
+    assert _wait_gone(result["orphan"]), "the setsid'd grandchild outlived the sandbox"

@@ -46,7 +46,7 @@ def ov_models(tmp_path_factory, tiny_target, tiny_draft):
 
 
 def _runner(path, name="target"):
-    return OpenVINORunner(path, name, n_threads=1, kv_cache_precision="f32")
+    return OpenVINORunner(path, name, n_threads=1, kv_cache_precision="f32", inference_precision="f32")
 
 
 def test_export_is_complete_and_stateful(ov_models):

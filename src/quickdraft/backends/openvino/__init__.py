@@ -21,8 +21,10 @@ from .runner import OpenVINORunner, is_available
 __all__ = ["OpenVINORunner", "WEIGHT_FORMATS", "export_for", "is_available", "load_openvino"]
 
 
-def export_for(spec: str | os.PathLike[str], weight_format: str = "int8", *, progress: bool = True) -> Path:
-    """The OpenVINO export of a model spec, made once (``<entry>/openvino-<format>``) if missing.
+def export_for(spec: str | os.PathLike[str], weight_format: str = "int8", *, layout: str = "engine",
+               progress: bool = True) -> Path:
+    """The OpenVINO export of a model spec, made once (``<entry>/openvino-<format>``; the GenAI
+    layout: ``<entry>/openvino-genai-<format>``) if missing.
 
     ``spec`` may also be an export directory itself (it holds ``openvino_model.xml``).
     """
@@ -37,9 +39,9 @@ def export_for(spec: str | os.PathLike[str], weight_format: str = "int8", *, pro
             f"the openvino backend exports Hugging Face model directories, got the GGUF file {entry}; "
             "install the model (`quickdraft models install`) or pass its directory"
         )
-    out = entry / export_dir_name(weight_format)
+    out = entry / export_dir_name(weight_format, layout)
     if not is_exported(out):
-        export(entry, out, weight_format, progress=progress)
+        export(entry, out, weight_format, layout=layout, progress=progress)
     return out
 
 

@@ -9,6 +9,7 @@ chain, batches whose rows hold holes, and token trees::
     attention_mask  [B, 1, m, L+m] float32 (0 / -inf)    hidden   [B, n, H]  float32
     position_ids    [B, m]        int64
     logits_index    [n]           int64 (columns of the block whose logits are wanted)
+    beam_idx        [B]           int32 (row order of the cache: arange(B) keeps it)
     KV cache: stateful variables, one key and one value per layer, [B, h_kv, L, d]
 
 ``L`` is the number of cache *slots* before the call (see :mod:`quickdraft.backends.openvino.runner`),
@@ -44,8 +45,8 @@ WEIGHT_FORMATS: tuple[str, ...] = ("int8", "int4", "none")
 MODEL_XML = "openvino_model.xml"
 EXPORT_MANIFEST = "openvino_export.json"
 
-#: bumped when the graph's interface changes, so that stale exports are rebuilt
-GRAPH_VERSION = 1
+#: per layout, bumped when the graph's interface changes, so that stale exports are rebuilt
+GRAPH_VERSIONS = {"engine": 2, "genai": 1}
 
 
 def _check_format(weight_format: str) -> None:
@@ -176,15 +177,21 @@ def trace_decoder(model, layout: str = "engine"):
 
 
 def add_beam_idx(ov_model) -> None:
-    """GenAI's cache reorder input: ``beam_idx [B]`` gathers every past tensor's rows (in place),
-    as optimum-intel's stateful exports have it."""
+    """The cache reorder input ``beam_idx [B]`` (int32): every past tensor's rows are gathered by it
+    before the new keys and values are appended (in place).
+
+    Both layouts need it: OpenVINO GenAI feeds it, and the CPU plugin fuses
+    ``ReadValue -> Gather(beam_idx) -> Concat -> ScaledDotProductAttention`` (its stateful SDPA
+    fusion) into one attention node that appends to a KV cache kept in the plugin's own precision
+    (``KV_CACHE_PRECISION``) — without the Gather the pattern does not match, the attention runs as
+    separate MatMul / Softmax nodes and the whole cache is copied by a Concat on every call."""
     import openvino as ov
 
     beam_idx = ov.opset13.parameter(ov.PartialShape([-1]), ov.Type.i32, name="beam_idx")
     beam_idx.output(0).get_tensor().set_names({"beam_idx"})
     axis = ov.opset13.constant(0, ov.Type.i64)
     for param in ov_model.get_parameters():
-        if not param.get_output_tensor(0).get_any_name().startswith("past_key_values."):
+        if not param.get_output_tensor(0).get_any_name().startswith(("past.", "past_key_values.")):
             continue
         consumers = list(param.output(0).get_target_inputs())
         gathered = ov.opset13.gather(param, beam_idx, axis)
@@ -205,6 +212,26 @@ def make_stateful(ov_model) -> None:
             if name.startswith(prefix):
                 pairs[name] = "present." + name.removeprefix(prefix)
     apply_make_stateful_transformation(ov_model, pairs)
+    _initialise_states(ov_model)
+
+
+def _initialise_states(ov_model) -> None:
+    """Give every state variable an initial value: an empty cache ``[B, h_kv, 0, d]`` with ``B``
+    read off ``input_ids``. The CPU plugin's fused attention node (see :func:`add_beam_idx`) needs
+    its ``ReadValue`` to have this initialising input."""
+    import numpy as np
+    import openvino as ov
+
+    opset = ov.opset13
+    batch = opset.gather(opset.shape_of(ov_model.input("input_ids"), output_type="i64"),
+                         opset.constant(np.array([0], np.int64)), opset.constant(0))
+    for node in ov_model.get_ops():
+        if node.get_type_name() != "ReadValue":
+            continue
+        _, kv_heads, _, head_dim = node.get_output_partial_shape(0)
+        shape = opset.concat([batch, opset.constant(np.array([kv_heads.get_length(), 0, head_dim.get_length()], np.int64))], 0)
+        node.set_arguments([opset.broadcast(opset.constant(0.0, node.get_output_element_type(0)), shape)])
+    ov_model.validate_nodes_and_infer_types()
 
 
 def compress(ov_model, weight_format: str):
@@ -240,7 +267,7 @@ def is_exported(out_dir: str | Path) -> bool:
         info = json.loads(manifest.read_text())
     except (OSError, ValueError):
         return False
-    if info.get("graph_version") != GRAPH_VERSION:
+    if info.get("graph_version") != GRAPH_VERSIONS.get(info.get("layout", "engine")):
         return False
     return (out_dir / "openvino_model.bin").stat().st_size == info.get("bin_size")
 
@@ -281,8 +308,7 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
     config = model.config
     del model
     gc.collect()
-    if layout == "genai":
-        add_beam_idx(ov_model)
+    add_beam_idx(ov_model)
     make_stateful(ov_model)
     if progress:
         print(f"  OpenVINO export of {model_dir.name} ({weight_format}): compressing weights ...", flush=True)
@@ -296,7 +322,7 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
     if layout == "genai":
         _save_tokenizer_irs(model_dir, tmp)
     info = {
-        "graph_version": GRAPH_VERSION,
+        "graph_version": GRAPH_VERSIONS[layout],
         "layout": layout,
         "weight_format": weight_format,
         "source": str(model_dir),

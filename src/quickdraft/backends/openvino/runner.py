@@ -69,12 +69,16 @@ def core():
     return _CORE
 
 
-def compile_config(n_threads: int, kv_cache_precision: str | None = None) -> dict:
+def compile_config(n_threads: int, kv_cache_precision: str | None = None,
+                   inference_precision: str | None = None) -> dict:
     """CPU plugin settings: one stream, ``n_threads`` inference threads, latency hint; the KV cache
-    precision is the plugin's default unless given (``f32``, ``f16``, ``u8``)."""
+    precision (``f32``, ``f16``, ``u8``) and the activations' precision (``f32``, ``bf16``, ``f16``)
+    are the plugin's defaults unless given (``bf16`` activations on CPUs with native bf16)."""
     config = {"INFERENCE_NUM_THREADS": int(n_threads), "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
     if kv_cache_precision:
         config["KV_CACHE_PRECISION"] = kv_cache_precision
+    if inference_precision:
+        config["INFERENCE_PRECISION_HINT"] = inference_precision
     return config
 
 
@@ -91,6 +95,9 @@ class OpenVINORunner:
         Inference threads of the CPU plugin (default: torch's thread count).
     kv_cache_precision:
         ``f32``, ``f16`` or ``u8`` (default: the plugin's choice, ``u8`` on x86 CPUs in OpenVINO 2026).
+    inference_precision:
+        Precision of the activations: ``f32``, ``bf16`` or ``f16`` (default: the plugin's choice,
+        ``bf16`` where the CPU has native bf16 instructions, else ``f32``).
     vocab_size:
         Width of the returned logits (default: the config's ``vocab_size``).
 
@@ -110,7 +117,8 @@ class OpenVINORunner:
     compact_min_holes = 256
 
     def __init__(self, path: str | os.PathLike[str], name: str = "model", *, n_threads: int | None = None,
-                 kv_cache_precision: str | None = None, vocab_size: int | None = None) -> None:
+                 kv_cache_precision: str | None = None, inference_precision: str | None = None,
+                 vocab_size: int | None = None) -> None:
         from transformers import AutoConfig, GenerationConfig
 
         path = Path(path)
@@ -130,7 +138,7 @@ class OpenVINORunner:
         manifest = path / EXPORT_MANIFEST
         self.export_info = json.loads(manifest.read_text()) if manifest.is_file() else {}
         threads = n_threads or max(1, torch.get_num_threads())
-        self.compiled = core().compile_model(str(path / MODEL_XML), "CPU", compile_config(threads, kv_cache_precision))
+        self.compiled = core().compile_model(str(path / MODEL_XML), "CPU", compile_config(threads, kv_cache_precision, inference_precision))
         self.request = self.compiled.create_infer_request()
         self._states = list(self.request.query_state())
         if not self._states:
@@ -179,6 +187,7 @@ class OpenVINORunner:
             "attention_mask": mask,
             "position_ids": positions.to(torch.long).numpy(),
             "logits_index": np.arange(m - keep, m, dtype=np.int64),
+            "beam_idx": np.arange(tokens.shape[0], dtype=np.int32),  # rows stay in place
         }
         self.request.infer(feed)
         self.num_forwards += 1

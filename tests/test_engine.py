@@ -273,3 +273,27 @@ def test_draft_length_above_the_maximum_is_rejected(tiny_target, tiny_draft):
     with pytest.raises(QuickdraftError, match=rf"10000 tokens.*\[1, {MAX_DRAFT_LENGTH}\]"):
         generate(ModelRunner(tiny_target), [[1, 2]], method="sd", drafter=drafter, policy=Greedy10k(),
                  max_new_tokens=4)
+
+
+def test_runner_forwards_emit_no_deprecation_warning(tiny_target):
+    """Plain, hidden-state and tree forwards pass the KV cache the way the installed transformers
+    expects: no FutureWarning / DeprecationWarning on any of them."""
+    import warnings
+
+    from quickdraft.runner import cache_argument
+    from quickdraft.tree import ancestor_mask
+
+    runner = ModelRunner(tiny_target, "target")
+    assert runner.cache_arg == cache_argument(tiny_target)
+    runner.reset(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.forward(torch.tensor([[1, 2, 3]]), logits_to_keep=1)
+        runner.forward(torch.tensor([[4]]), output_hidden=True)
+        runner.begin_tree()
+        runner.forward_tree(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 1]]),
+                            ancestor_mask(torch.tensor([[-1, 0, 0]])))
+        runner.commit_tree(torch.tensor([[0, 1]]), torch.tensor([2]))
+    deprecations = [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not deprecations, [str(w.message) for w in deprecations]
+    assert int(runner.lengths[0]) == 6 and runner.cache.get_seq_length() == runner.num_slots == 6

@@ -20,6 +20,7 @@ positions and a 4D tree mask (boolean for SDPA, additive for eager attention), t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,19 @@ from transformers import DynamicCache
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import check_finite
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward`` takes (and its output returns) the KV cache.
+
+    Current ``transformers`` names it ``cache`` and deprecates ``past_key_values`` with a
+    ``FutureWarning`` on every call; earlier 5.x releases only know ``past_key_values``.
+    """
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 @dataclass
@@ -53,6 +67,7 @@ class ModelRunner:
         config = model.config
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
         self.num_forwards = 0
+        self.cache_arg = cache_argument(model)
         self.reset(0)
 
     # -- state -----------------------------------------------------------------------------------
@@ -116,12 +131,12 @@ class ModelRunner:
             input_ids=tokens.to(self.device),
             attention_mask=attention_mask,
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_arg: self.cache},
             logits_to_keep=logits_to_keep,
             output_hidden_states=output_hidden,
         )
-        self.cache = out.past_key_values
+        self.cache = out[self.cache_arg]
         self.lengths = self.lengths + valid.long().sum(dim=-1)
         self.num_forwards += 1
         logits = out.logits.float()
@@ -226,11 +241,11 @@ class ModelRunner:
             input_ids=tokens.to(self.device),
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_arg: self.cache},
             output_hidden_states=output_hidden,
         )
-        self.cache = out.past_key_values
+        self.cache = out[self.cache_arg]
         self.num_forwards += 1
         logits = out.logits.float()
         check_finite(logits[valid], f"the {self.name} model")

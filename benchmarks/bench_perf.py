@@ -10,6 +10,11 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 * ``torch-int8-ar`` / ``-sd``, ``torch-int4-ar`` / ``-sd``  the same with :mod:`quickdraft.quant` weights
   (activations, norms and embeddings in ``--base-dtype``)
 * ``torch-fp32/int4-sd``  target float32 (untouched), draft int4 (``--quantize-draft int4``)
+* ``openvino-int8-ar`` / ``-sd`` / ``-ngram_sd`` …  our engine on :class:`OpenVINORunner` (OpenVINO exports of
+  target and draft, NNCF int8 weights; ``openvino-int4-*``: int4)
+* ``ovgenai-int8-anchor``  OpenVINO GenAI's own plain decoding of the same int8 target weights;
+  ``ovgenai-int8-sd`` / ``-sdN``: its own speculative decoding with the int8 draft, ``num_assistant_tokens``
+  = K (:func:`anchors.openvino_genai_generate`)
 * a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``; ``ngram`` /
   ``ngramN``: prompt lookup (no draft model), n-grams of ``--ngram-min`` to 3 tokens; ``ngram_sd`` /
   ``ngram_sdN``: prompt lookup (2-4-grams, ``--lookup-k`` tokens) where it matches, else the draft model
@@ -71,6 +76,8 @@ def parse_config(config: str) -> tuple[str, str, int | None]:
 def own_ar(config: str) -> str:
     """The plain-decoding config with the same target weights as ``config``."""
     key, _, _ = parse_config(config)
+    if key.startswith("ovgenai-"):
+        return key + "-anchor"
     return key.split("/")[0] + "-ar"
 
 
@@ -130,6 +137,10 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         return models[role, weights]
 
     pipes = {}
+    for weights in sorted({c.split("-")[1] for c in configs if c.startswith("openvino-")}):
+        pipes[f"openvino-{weights}"] = Pipeline.from_specs("target", "draft", backend="openvino", quantize=weights)
+    for weights in sorted({c.split("-")[1] for c in configs if c.startswith("ovgenai-")}):
+        pipes[f"ovgenai-{weights}"] = genai_pipelines(weights, any("-sd" in c for c in configs if c.startswith("ovgenai-")))
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("torch-")}):
         target_w, _, draft_w = weights.partition("/")
         target, draft = model("target", target_w), model("draft", draft_w or target_w)
@@ -140,12 +151,44 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
     return pipes
 
 
+class GenAIPipelines:
+    """OpenVINO GenAI's ``LLMPipeline`` over GenAI-layout exports of the target (plain decoding) and
+    of target + draft (its speculative decoding); ``target`` / ``draft`` are the export directories."""
+
+    def __init__(self, target, draft, plain, speculative) -> None:
+        self.target, self.draft, self.plain, self.speculative = target, draft, plain, speculative
+
+
+def genai_pipelines(weights: str, speculative: bool) -> GenAIPipelines:
+    """GenAI-layout exports (made once into the cache entries, from the same float32 weights and the
+    same NNCF compression as the engine-layout exports) and GenAI pipelines over them."""
+    from quickdraft.anchors import openvino_genai_pipeline
+    from quickdraft.backends.openvino.export import export, export_dir_name, is_exported
+    from quickdraft.models import resolve
+
+    dirs = []
+    for role in ("target", "draft"):
+        out = resolve(role) / export_dir_name(weights, "genai")
+        if not is_exported(out):
+            export(resolve(role), out, weights, layout="genai")
+        dirs.append(out)
+    plain = openvino_genai_pipeline(dirs[0], n_threads=torch.get_num_threads())
+    spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=torch.get_num_threads()) if speculative else None
+    return GenAIPipelines(dirs[0], dirs[1], plain, spec)
+
+
+def _export_bytes(path) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.bin"))
+
+
 def forward_costs(pipes: dict, prompt_ids: list[int], ms=(1, 2, 5, 9, 16), repeats: int = 3) -> dict:
     """Median seconds of one target forward over ``m`` new tokens after the prompt, per backend,
     interleaved across backends (and the same for the draft with m = 1)."""
     times: dict[str, list[float]] = {}
     for rep in range(repeats):
         for key, pipe in pipes.items():
+            if isinstance(pipe, GenAIPipelines):
+                continue
             for role, runner in (("target", pipe.target), ("draft", pipe.draft)):
                 runner.reset(1)
                 runner.forward(torch.tensor([prompt_ids]), logits_to_keep=1)
@@ -178,13 +221,20 @@ def run(args: argparse.Namespace) -> dict:
         key: {"target": weight_bytes(p.target_model), "draft": weight_bytes(p.draft_model)}
         for key, p in pipes.items() if key.startswith("torch")
     }
+    for key, p in pipes.items():
+        if key.startswith("openvino"):
+            result["weights"][key] = {role: {"held": _export_bytes(r.path), "read_per_forward": _export_bytes(r.path)}
+                                      for role, r in (("target", p.target), ("draft", p.draft))}
+        elif key.startswith("ovgenai"):
+            result["weights"][key] = {role: {"held": _export_bytes(d), "read_per_forward": _export_bytes(d)}
+                                      for role, d in (("target", p.target), ("draft", p.draft))}
     if "llamacpp" in pipes:
         p = pipes["llamacpp"]
         result["weights"]["llamacpp"] = {
             role: {"held": r.gguf.path.stat().st_size, "read_per_forward": r.gguf.path.stat().st_size}
             for role, r in (("target", p.target), ("draft", p.draft))
         }
-    any_pipe = next(iter(pipes.values()))
+    any_pipe = next(p for p in pipes.values() if not isinstance(p, GenAIPipelines))
     problems = load_humaneval()[: args.limit]
     prompt_ids = [any_pipe.encode_messages(p.messages) for p in problems]
     eos = any_pipe.eos_ids()
@@ -205,6 +255,16 @@ def run(args: argparse.Namespace) -> dict:
             return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
         key, method, k = parse_config(config)
         pipe = pipes[key]
+        if isinstance(pipe, GenAIPipelines):
+            from quickdraft.anchors import openvino_genai_generate
+
+            if method == "anchor":
+                res = openvino_genai_generate(pipe.plain, ids, sampling=sampling, max_new_tokens=max_new,
+                                              eos_token_ids=eos, seed=seed)
+            else:
+                res = openvino_genai_generate(pipe.speculative, ids, sampling=sampling, max_new_tokens=max_new,
+                                              eos_token_ids=eos, seed=seed, num_assistant_tokens=k or args.k)
+            return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
         out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(k or args.k), sampling=sampling,
                             max_new_tokens=max_new, seed=seed,
                             ngram=(args.ngram_min, 3) if method == "ngram" else None, lookup_k=args.lookup_k)
@@ -237,7 +297,7 @@ def run(args: argparse.Namespace) -> dict:
     result["memory_status"] = _memory_status()  # RssFile: mmapped weight files (page cache, shared)
     unique = {id(m): m for key, p in pipes.items() if key.startswith("torch") for m in (p.target_model, p.draft_model)}
     held = sum(weight_bytes(m)["held"] for m in unique.values()) + sum(
-        w["held"] for key, ws in result["weights"].items() if key == "llamacpp" for w in ws.values())
+        w["held"] for key, ws in result["weights"].items() if not key.startswith("torch") for w in ws.values())
     result["weights_held_bytes"] = held
     if result["memory_status"].get("VmHWM"):  # one config per process makes this the issue's ratio
         result["peak_rss_over_weights"] = result["memory_status"]["VmHWM"] / held
@@ -263,19 +323,23 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
             return sum(r["new_tokens"] for r in sel) / sum(r["seconds"] for r in sel)
 
         anchor = tps("llamacpp-anchor") if "llamacpp-anchor" in configs else None
+        genai_sd = [c for c in configs if c.startswith("ovgenai-") and parse_config(c)[1] == "sd"]
         for config in configs:
             sel = [r for r in rows_t if r["config"] == config]
             entry = {"tokens_per_second": tps(config), "new_tokens": sum(r["new_tokens"] for r in sel),
                      "prompts": len(complete)}
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
+            for other in genai_sd:  # OpenVINO GenAI's own speculative decoding, the issue's bar
+                entry[f"x_{other}"] = entry["tokens_per_second"] / tps(other)
             if parse_config(config)[1] in ("sd", "ngram", "ngram_sd"):
                 ar = own_ar(config)
                 if ar in configs:
                     entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)
-                entry["mean_acceptance_length"] = (
-                    sum(r["new_tokens"] for r in sel) / sum(max(1, r["target_forwards"] - 1) for r in sel)
-                )
+                if all("target_forwards" in r for r in sel):
+                    entry["mean_acceptance_length"] = (
+                        sum(r["new_tokens"] for r in sel) / sum(max(1, r["target_forwards"] - 1) for r in sel)
+                    )
                 if temperature == 0.0 and ar in configs:
                     own = {r["prompt"]: r["new_ids"] for r in rows_t if r["config"] == ar}
                     entry["identical_to_own_ar"] = f"{sum(r['new_ids'] == own[r['prompt']] for r in sel)}/{len(sel)}"

@@ -72,7 +72,9 @@ from quickdraft.sampling import SamplingParams
 
 #: Schema version of the per-cell JSON records.
 SCHEMA_VERSION = 1
-ANCHOR_NAMES: tuple[str, ...] = ("hf-ar", "hf-assisted", "hf-prompt-lookup", "llamacpp")
+ANCHOR_NAMES: tuple[str, ...] = ("hf-ar", "hf-assisted", "hf-prompt-lookup", "llamacpp", "ovgenai-ar", "ovgenai-sd")
+#: anchors that run the torch models of the pipeline (Hugging Face ``generate``)
+_HF_ANCHORS = ("hf-ar", "hf-assisted", "hf-prompt-lookup")
 #: build_method keywords that are not per-entry parameters (set by the run)
 _RUN_KEYWORDS = {"sampling", "seed"}
 
@@ -458,6 +460,7 @@ class CellRunner:
 
     def __init__(self, pipe, max_new_tokens: int, llamacpp_model: str | None = None) -> None:
         self.pipe = pipe
+        self._genai: dict[str, Any] = {}
         self.max_new_tokens = max_new_tokens
         self.eos = pipe.eos_ids()
         self.llamacpp_model = llamacpp_model
@@ -477,6 +480,20 @@ class CellRunner:
                 return "llamacpp: skipped (llama-cpp-python is not installed: pip install 'quickdraft[llamacpp]')"
             if self._gguf_path() is None:
                 return "llamacpp: skipped (no target GGUF found; pass --llamacpp-model FILE.gguf)"
+            return None
+        if entry.name in _HF_ANCHORS and not _is_torch_model(self.pipe.target_model):
+            return f"{entry.name}: skipped (Hugging Face generate needs the torch backend)"
+        if entry.name.startswith("ovgenai-"):
+            from quickdraft.backends.openvino import is_available
+
+            if not is_available():
+                return f"{entry.name}: skipped (OpenVINO is not installed: pip install 'quickdraft[openvino]')"
+            try:
+                import openvino_genai  # noqa: F401
+            except ImportError:
+                return f"{entry.name}: skipped (openvino-genai is not installed: pip install 'quickdraft[openvino]')"
+            if entry.name == "ovgenai-sd" and self.pipe.draft is None:
+                return f"{entry.name}: skipped (no draft model loaded)"
             return None
         if entry.name in ("hf-assisted",) and self.pipe.draft_model is None:
             return f"{entry.name}: skipped (no draft model loaded)"
@@ -520,6 +537,12 @@ class CellRunner:
 
         if entry.name == "llamacpp":
             res = self._llamacpp(ids, sampling, seed, max_new_tokens)
+        elif entry.name.startswith("ovgenai-"):
+            res = anchors.openvino_genai_generate(
+                self._genai_pipeline(entry.name), ids, sampling=sampling, max_new_tokens=max_new_tokens,
+                eos_token_ids=self.eos, seed=seed,
+                num_assistant_tokens=int(entry.kwargs().get("k", 4)) if entry.name == "ovgenai-sd" else None,
+            )
         else:
             lookup = entry.kwargs().get("k", 10) if entry.name == "hf-prompt-lookup" else None
             res = anchors.hf_generate(
@@ -534,7 +557,9 @@ class CellRunner:
         text = self.pipe.tokenizer.decode(kept, skip_special_tokens=True)
         return {
             "kind": "anchor",
-            "lossless": entry.name != "llamacpp",  # llama.cpp runs a Q4_K_M quantisation of the target
+            # llama.cpp runs a Q4_K_M quantisation of the target; GenAI the OpenVINO export's weights,
+            # which are the target's own only on the openvino backend
+            "lossless": entry.name != "llamacpp" and (not entry.name.startswith("ovgenai-") or self._on_openvino()),
             "token_ids": kept,
             "text": text,
             "finish_reason": "eos" if cut is not None else "length",
@@ -546,6 +571,29 @@ class CellRunner:
             "draft_forwards": None,
             "metrics": None,
         }
+
+    def _on_openvino(self) -> bool:
+        return type(self.pipe.target).__name__ == "OpenVINORunner"
+
+    def _genai_pipeline(self, name: str):
+        """OpenVINO GenAI's pipeline (plain, or speculative with the draft) over GenAI-layout exports
+        of the pipeline's models, in the weight format of its OpenVINO exports (int8 elsewhere);
+        made once, load time never timed."""
+        if name not in self._genai:
+            import torch
+
+            from quickdraft import anchors
+            from quickdraft.backends.openvino import export_for
+
+            weights = "int8"
+            if self._on_openvino():
+                weights = self.pipe.target.export_info.get("weight_format", "int8")
+            source = lambda runner, role: (  # noqa: E731 - the runner's Hugging Face directory
+                runner.export_info.get("source") if type(runner).__name__ == "OpenVINORunner" else role)
+            target = export_for(source(self.pipe.target, "target"), weights, layout="genai")
+            draft = export_for(source(self.pipe.draft, "draft"), weights, layout="genai") if name == "ovgenai-sd" else None
+            self._genai[name] = anchors.openvino_genai_pipeline(target, draft, n_threads=torch.get_num_threads())
+        return self._genai[name]
 
     def _gguf_path(self) -> Path | None:
         """The llama.cpp anchor's GGUF: ``--llamacpp-model``, else the target's cache entry's
@@ -582,6 +630,12 @@ class Fidelity:
     scored_tokens: int
 
 
+def _is_torch_model(model) -> bool:
+    import torch
+
+    return isinstance(model, torch.nn.Module)
+
+
 def target_fidelity(target_model, prompt_ids: list[int], new_ids: list[int]) -> Fidelity:
     """Mean log-likelihood of ``new_ids`` under the target's raw (temperature-1) distribution.
 
@@ -596,7 +650,11 @@ def target_fidelity(target_model, prompt_ids: list[int], new_ids: list[int]) -> 
         return Fidelity(None, None, 0)
     with torch.inference_mode():
         input_ids = torch.tensor([list(prompt_ids) + list(new_ids)])  # [1, P+N]
-        logits = target_model(input_ids).logits[0].float()  # [P+N, V]
+        if _is_torch_model(target_model):
+            logits = target_model(input_ids).logits[0].float()  # [P+N, V]
+        else:  # a runner of another backend
+            target_model.reset(1)
+            logits = target_model.forward(input_ids).logits[0].float()  # [P+N, V]
         p = len(prompt_ids)
         logprobs = torch.log_softmax(logits[p - 1 : p - 1 + len(new_ids)], dim=-1)  # [N, V]
         picked = logprobs.gather(-1, torch.tensor(new_ids).unsqueeze(-1)).squeeze(-1)  # [N]
@@ -631,10 +689,12 @@ def _now() -> str:
 
 
 def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None,
-                 draft_dtype: str | None = None) -> dict:
+                 draft_dtype: str | None = None, backend: str = "torch") -> dict:
     """The models of a run as recorded in ``run.json``: quantisation only when used, so that runs
     made before it existed still resume; ``draft_dtype`` is the dtype the draft was loaded in."""
     meta: dict[str, Any] = {"target": target, "draft": draft, "dtype": dtype}
+    if backend != "torch":
+        meta["backend"] = backend
     if draft is not None and draft_dtype is not None:
         meta["draft_dtype"] = draft_dtype
     if quantize != "none":
@@ -842,7 +902,8 @@ def evaluate(out_dir: Path, prompts: list, prompt_ids: list[list[int]], pipe=Non
             log(f"scoring {len(todo)} completions with the target (fidelity)")
         for rec in todo:
             ids = by_id[rec["prompt_id"]][1]
-            rec["fidelity"] = asdict(target_fidelity(pipe.target_model, ids, rec["token_ids"]))
+            scorer = pipe.target_model if _is_torch_model(pipe.target_model) else pipe.target
+            rec["fidelity"] = asdict(target_fidelity(scorer, ids, rec["token_ids"]))
             changed.add(id(rec))
     for rec in records:
         if id(rec) in changed:
@@ -864,7 +925,8 @@ def bench_command(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Default 128."),
     out: str = typer.Option(..., "--out", help="Run directory (cells cached there: rerun to resume)."),
     config: Optional[str] = typer.Option(None, "--config", help="TOML sweep config; command-line options override it."),
-    anchors: Optional[str] = typer.Option(None, help="Comma-separated: hf-ar, hf-assisted, hf-prompt-lookup, llamacpp."),
+    anchors: Optional[str] = typer.Option(
+        None, help="Comma-separated: hf-ar, hf-assisted, hf-prompt-lookup, llamacpp, ovgenai-ar, ovgenai-sd:k=4."),
     baseline: Optional[str] = typer.Option(None, help="Lossless reference for paired tests (default: first sd entry)."),
     target: Optional[str] = typer.Option(None, help="Target model (default: the registry's target)."),
     draft: Optional[str] = typer.Option(None, help="Draft model (default: the registry's draft)."),
@@ -872,7 +934,8 @@ def bench_command(
     draft_dtype: Optional[str] = typer.Option(
         None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
-    quantize: Optional[str] = typer.Option(None, help="none, int8 or int4 weight-only layers for both models."),
+    backend: Optional[str] = typer.Option(None, help="torch, openvino or llamacpp (as for `generate`; default torch)."),
+    quantize: Optional[str] = typer.Option(None, help="auto, none, int8 or int4 (as for `generate`)."),
     quantize_draft: Optional[str] = typer.Option(
         None, "--quantize-draft", help="Override --quantize for the draft alone (int4: lossless methods stay exact)."),
     warmup_tokens: Optional[int] = typer.Option(None, "--warmup-tokens", help="Default 8; 0 disables warm-up."),
@@ -890,7 +953,7 @@ def bench_command(
             entries = [e for e in entries if not e.is_anchor] + parse_entries(anchors)
         model_fields = {
             k: file_fields.pop(k, None)
-            for k in ("target", "draft", "dtype", "draft_dtype", "threads", "quantize", "quantize_draft")
+            for k in ("target", "draft", "dtype", "draft_dtype", "threads", "backend", "quantize", "quantize_draft")
         }
         cli = {
             "dataset": dataset, "limit": limit, "temperatures": list(temperature) if temperature else None,
@@ -903,16 +966,18 @@ def bench_command(
         draft_spec = draft or model_fields["draft"] or "draft"
         dtype = dtype or model_fields["dtype"] or "auto"
         threads = threads or model_fields["threads"]
-        quantize = quantize or model_fields["quantize"] or "none"
+        backend = backend or model_fields["backend"] or "torch"
+        quantize = quantize or model_fields["quantize"] or "auto"
         quantize_draft = quantize_draft or model_fields["quantize_draft"]
         draft_dtype = draft_dtype or model_fields["draft_dtype"]
 
         from quickdraft.datasets import load_dataset
+        from quickdraft.pipeline import resolve_quantize
         from quickdraft.methods import build_method
 
         prompts = load_dataset(cfg.dataset, cfg.limit)
         needs_draft = any(
-            e.name == "hf-assisted" or (not e.is_anchor and build_method(e.name, **e.kwargs()).needs_draft)
+            e.name in ("hf-assisted", "ovgenai-sd") or (not e.is_anchor and build_method(e.name, **e.kwargs()).needs_draft)
             for e in cfg.entries
         )
         import torch
@@ -923,17 +988,19 @@ def bench_command(
 
         t0 = time.perf_counter()
         pipe = Pipeline.from_specs(
-            target, draft_spec if needs_draft else None, dtype=dtype, quantize=quantize, quantize_draft=quantize_draft,
-            draft_dtype=draft_dtype,
+            target, draft_spec if needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
+            quantize_draft=quantize_draft, draft_dtype=draft_dtype,
         )
         load_seconds = time.perf_counter() - t0
         typer.echo(f"models loaded in {load_seconds:.1f} s (excluded from every rate)", err=True)
         command = "quickdraft bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else sys.argv[1:])
         meta = run_bench(
             pipe, prompts, cfg, out, command=command, model_load_seconds=load_seconds,
-            models=_models_meta(target, draft_spec if needs_draft else None, dtype, quantize, quantize_draft,
+            models=_models_meta(target, draft_spec if needs_draft else None, dtype,
+                                resolve_quantize(backend, quantize), quantize_draft and resolve_quantize(backend, quantize_draft),
                                 draft_dtype=None if pipe.draft_model is None
-                                else str(pipe.draft_model.dtype).removeprefix("torch.")),
+                                else str(getattr(pipe.draft_model, "dtype", "")).removeprefix("torch.") or None,
+                                backend=backend),
             progress=not no_progress, llamacpp_model=llamacpp_model,
         )
     except QuickdraftError as err:

@@ -40,6 +40,14 @@ class PipelineOutput:
     metrics: GenerationMetrics  # the whole batch
 
 
+def resolve_quantize(backend: str, quantize: str) -> str:
+    """``quantize="auto"`` is the backend's default weights: as loaded on torch (``none``), NNCF
+    ``int8`` on openvino, the GGUF's own quantisation on llamacpp (``none``: nothing applied)."""
+    if quantize != "auto":
+        return quantize
+    return "int8" if backend == "openvino" else "none"
+
+
 class Pipeline:
     """A target model (and optionally a draft model) with their tokenizer.
 
@@ -102,10 +110,8 @@ class Pipeline:
         for what, name in (("quantize", quantize), ("quantize_draft", quantize_draft)):
             if name != "auto" and name not in QUANTIZE_NAMES:
                 raise QuickdraftError(f"unknown {what} {name!r}; choose one of auto, {', '.join(QUANTIZE_NAMES)}")
-        # auto: the backend's default weights (torch: as loaded; openvino: int8; llamacpp: the GGUF's)
-        auto = "int8" if backend == "openvino" else "none"
-        quantize = auto if quantize == "auto" else quantize
-        quantize_draft = auto if quantize_draft == "auto" else quantize_draft
+        quantize = resolve_quantize(backend, quantize)
+        quantize_draft = resolve_quantize(backend, quantize_draft)
         if backend == "openvino":
             return cls._from_openvino(target, draft, quantize, quantize_draft)
         if backend == "llamacpp":

@@ -3,7 +3,7 @@
 A bench run keeps every completion's text in ``raw/T*/<entry>/<problem>.json`` next to its
 ``quality`` (extraction status and sandbox verdict). This script extracts each program again with
 :func:`quickdraft.extract.extract_program`, runs the problem's tests in
-:func:`quickdraft.sandbox.run_humaneval_checks`, and prints old against new pass@1 for every
+:func:`quickdraft.sandbox.run_humaneval_checks`, and prints stored against new pass@1 for every
 (run, temperature, entry), then the records whose verdict changed. No model is loaded and nothing
 is generated.
 
@@ -80,7 +80,7 @@ def rescore(records: list[tuple[Path, dict]], workers: int, timeout: float = 10.
 
 
 def pass_table(run_dir: Path, records: list[tuple[Path, dict]], new: list[dict]) -> list[str]:
-    """One line per (temperature, entry): old and new passes out of n."""
+    """One line per (temperature, entry): stored and new passes out of n."""
     counts: dict[tuple[float, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     for (_, record), quality in zip(records, new):
         cell = counts[(record["temperature"], record["method"])]
@@ -88,9 +88,9 @@ def pass_table(run_dir: Path, records: list[tuple[Path, dict]], new: list[dict])
         cell[1] += quality["passed"]
         cell[2] += 1
     lines = []
-    for (temperature, method), (old, now, n) in sorted(counts.items()):
-        mark = "" if old == now else "   <- changed"
-        lines.append(f"  {run_dir.name:<18} T={temperature:<4g} {method:<40} pass@1 {old:>3}/{n:<3} -> {now:>3}/{n:<3}{mark}")
+    for (temperature, method), (stored, now, n) in sorted(counts.items()):
+        mark = "" if stored == now else "   <- changed"
+        lines.append(f"  {run_dir.name:<18} T={temperature:<4g} {method:<40} pass@1 {stored:>3}/{n:<3} -> {now:>3}/{n:<3}{mark}")
     return lines
 
 
@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             if any(record["quality"].get(f) != quality[f] for f in VERDICT_FIELDS)
         ]
         for path, record, quality in changed:
-            old = record["quality"]
-            print(f"    {path.relative_to(run_dir)}: {old.get('sandbox_status')} ({old.get('detail', '')!r}) "
+            stored = record["quality"]
+            print(f"    {path.relative_to(run_dir)}: {stored.get('sandbox_status')} ({stored.get('detail', '')!r}) "
                   f"-> {quality['sandbox_status']} ({quality['detail']!r})")
         total_changed += len(changed)
         if args.write and changed:

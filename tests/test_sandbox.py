@@ -82,7 +82,7 @@ def test_output_without_a_final_newline_does_not_hide_the_verdict():
 
 
 FORGERIES = {
-    "old verdict line": (
+    "tagged verdict line": (
         "import os, json\n"
         "print('0' * 32 + ' ' + json.dumps({'role': 'child', 'pid': os.getpid(), 'status': 'passed', 'detail': ''}))\n"
         "print('{\"pid\": 1, \"status\": \"passed\", \"detail\": \"\"}')\n"

@@ -323,7 +323,9 @@ def main() -> None:
                                                           "failed")}), flush=True)
     finally:
         server.stop()
-    reason, gguf = (("--tiny has no GGUF", None) if args.tiny else llamacpp_unavailable(args.gguf))
+    reason, gguf = llamacpp_unavailable(args.gguf)
+    if reason is None and args.tiny:
+        reason = "--tiny serves models that have no GGUF"
     if reason:
         print(f"llama.cpp server row skipped: {reason}", flush=True)
         record["rows"].append({"server": "llama-cpp-python", "skipped": reason})

@@ -255,8 +255,7 @@ class Scheduler:
                 if self._stop or (self._draining and not self._waiting and not self._batches):
                     break
                 admit = self._take_admissible()
-            for job in admit:
-                self._admit(job)
+            self._admit_all(admit)
             for batch in list(self._batches.values()):
                 self._drop_cancelled(batch)
                 if batch.rows:
@@ -325,37 +324,62 @@ class Scheduler:
                 return j
         return len(tokens)
 
-    def _admit(self, job: Job) -> None:
-        if job.cancelled:
-            job.finished_at = time.monotonic()
-            job.done.set()
-            return
+    def _admit_all(self, jobs: list[Job]) -> None:
+        """Admit ``jobs``: those of one batch key join it with one prefill forward; if that fails,
+        each joins alone, so that only a job that cannot start fails."""
+        live = []
+        for job in jobs:
+            if job.cancelled:
+                job.finished_at = time.monotonic()
+                job.done.set()
+            else:
+                live.append(job)
+        groups: dict[StepKey, list[Job]] = {}
+        for job in live:
+            groups.setdefault(job.key, []).append(job)
+        for group in groups.values():
+            if not self._admit(group) and len(group) > 1:
+                for job in group:
+                    self._admit([job])
+
+    def _admit(self, jobs: list[Job]) -> bool:
+        """Append the rows of ``jobs`` (one batch key) to their batch and prefill them; on an error
+        the batch is left as it was, a lone job fails, and ``False`` is returned."""
+        key = jobs[0].key
         t0 = time.monotonic()
-        batch = self._batches.get(job.key)
+        batch = self._batches.get(key)
         try:
             if batch is None:
-                batch = self._new_batch(job.key)
-            prompts = [p for p in job.prompts for _ in range(job.n)]
+                batch = self._new_batch(key)
+            prompts = [p for job in jobs for p in job.prompts for _ in range(job.n)]
+            budgets = [job.max_tokens for job in jobs for _ in range(job.rows)]
             rows_before = len(batch.rows)
-            batch.rows += [(job, c) for c in job.choices]  # the stop callback reads them
-            batch.sent += [0] * len(job.choices)
+            batch.rows += [(job, c) for job in jobs for c in job.choices]  # the stop callback reads them
+            batch.sent += [0] * len(prompts)
             try:
-                batch.decoder.add_rows(prompts, [job.max_tokens] * len(prompts))
+                batch.decoder.add_rows(prompts, budgets)
             except Exception:
                 del batch.rows[rows_before:], batch.sent[rows_before:]
                 raise
-        except Exception as err:  # this request only: the batch is as it was
-            log.exception("request %s could not join a batch", job.id)
-            self._fail(job, f"could not start the request: {err}")
-            return
+        except Exception as err:
+            if len(jobs) > 1:
+                log.warning("a joint prefill failed (%s); admitting its requests one by one", err)
+                return False
+            log.exception("request %s could not join a batch", jobs[0].id)
+            self._fail(jobs[0], f"could not start the request: {err}")
+            return False
         with self._cond:
-            self._batches[job.key] = batch
-        job.admitted_at = time.monotonic()
-        job.prefill_seconds = job.admitted_at - t0
-        self.metrics.prompt_tokens.inc(job.prompt_tokens)
-        log.info("request admitted", extra={"fields": {
-            "request_id": job.id, "rows": job.rows, "prompt_tokens": job.prompt_tokens,
-            "queued_s": round(t0 - job.arrival, 4), "batch_rows": len(batch.rows), "method": job.settings.method}})
+            self._batches[key] = batch
+        now = time.monotonic()
+        for job in jobs:
+            job.admitted_at = now
+            job.prefill_seconds = now - t0
+            self.metrics.prompt_tokens.inc(job.prompt_tokens)
+            log.info("request admitted", extra={"fields": {
+                "request_id": job.id, "rows": job.rows, "prompt_tokens": job.prompt_tokens,
+                "queued_s": round(t0 - job.arrival, 4), "batch_rows": len(batch.rows),
+                "method": job.settings.method}})
+        return True
 
     def _step(self, batch: _Batch) -> None:
         decoder = batch.decoder

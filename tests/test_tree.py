@@ -163,6 +163,19 @@ def test_greedy_tree_decoding_equals_plain_greedy(tiny_target, tiny_draft, confi
         assert m.steps < sum(len(s) for s in tree.sequences)
 
 
+def test_tree_depth_is_capped_by_the_tokens_left(tiny_target, tiny_draft):
+    """Trees 20 deep for a 4-token budget: at most 3, 2, 1, 1 draft layers, the greedy text of
+    plain decoding; static trees drop their paths deeper than the cap."""
+    target, draft = ModelRunner(tiny_target), ModelRunner(tiny_draft)
+    plain = generate(target, PROMPTS, method="ar", max_new_tokens=4)
+    out = generate_tree(target, draft, PROMPTS, config=TreeConfig(depth=20, topk=2, budget=30), max_new_tokens=4)
+    assert out.sequences == plain.sequences
+    assert out.batch_metrics.draft_forwards <= 3 + 2 + 1 + 1
+    static = TreeConfig(paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+    assert static.capped(2).paths == ((0,), (1,), (0, 0), (0, 1), (1, 0)) and static.capped(3) is static
+    assert static.capped(0).paths == ((0,), (1,)) and TreeConfig(depth=5).capped(2).depth == 2
+
+
 def test_eos_stops_a_row(tiny_target, tiny_draft):
     target, draft = ModelRunner(tiny_target), ModelRunner(tiny_draft)
     plain = generate(target, PROMPTS, method="ar", max_new_tokens=30)
@@ -242,7 +255,9 @@ def test_negative_control_deterministic_children_verified_as_samples_fails(table
 
 
 def test_generate_tree_end_to_end_matches_the_target(tiny_target):
-    """10,000 rows through generate_tree (real tree forwards, compaction, second steps)."""
+    """10,000 rows through generate_tree (real tree forwards, compaction, second steps); the
+    three-token budget leaves the first step its full depth-2 trees, the first two tokens are
+    tested."""
     params = SamplingParams(temperature=1.0)
     draft = perturbed_copy(tiny_target, scale=0.6, seed=5)
     t = _Tables(tiny_target, draft, params)
@@ -250,10 +265,10 @@ def test_generate_tree_end_to_end_matches_the_target(tiny_target):
     out = generate_tree(
         ModelRunner(tiny_target), ModelRunner(draft), [PROMPT] * n,
         config=TreeConfig(depth=2, topk=3, budget=7, scheme="without_replacement"), verifier="rrs",
-        sampling=params, max_new_tokens=2, seed=2,
+        sampling=params, max_new_tokens=3, seed=2,
     )
     counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
-    seqs = np.array(out.sequences)
+    seqs = np.array([s[:2] for s in out.sequences])
     np.add.at(counts, (seqs[:, 0], seqs[:, 1]), 1)
     assert out.batch_metrics.accepted_tokens > n // 4  # the walk does go down the trees
     assert _chi_square_pvalue(counts, t.joint()) > P_PASS

@@ -79,6 +79,7 @@ Valid (scheme, verifier) pairs are those of :mod:`quickdraft.multidraft` plus (`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -263,6 +264,17 @@ class TreeConfig:
         if self.paths is not None:
             return max(len(p) for p in self.paths)
         return self.depth
+
+    def capped(self, depth: int) -> "TreeConfig":
+        """This configuration with trees at most ``max(1, depth)`` deep: a dynamic tree gets
+        ``depth`` layers, a static tree keeps its paths of at most ``depth`` nodes (which stay a
+        valid tree: every kept path's parent is shorter). Itself when it is no deeper."""
+        depth = max(1, int(depth))
+        if self.tree_depth <= depth:
+            return self
+        if self.paths is not None:
+            return dataclasses.replace(self, paths=tuple(p for p in self.paths if len(p) <= depth))
+        return dataclasses.replace(self, depth=depth)
 
 
 def check_combination(scheme: str, verifier: str) -> None:

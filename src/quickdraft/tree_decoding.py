@@ -3,7 +3,9 @@
 One step, for every row of the batch at once::
 
     1. draft    the draft model reads its pending tokens (root = last emitted token) and grows a
-                token tree layer by layer (:func:`quickdraft.tree.build_tree`: d draft forwards)
+                token tree layer by layer (:func:`quickdraft.tree.build_tree`: d draft forwards;
+                d at most the tokens left to generate minus one, and at least 1:
+                :meth:`TreeConfig.capped <quickdraft.tree.TreeConfig.capped>`)
     2. verify   one target forward over the M = N + 1 tree nodes with the tree attention mask
                 (:meth:`ModelRunner.forward_tree`)                              -> [B, M, V]
     3. accept   walk down from the root (:func:`verify_tree`): at each node a step-level verifier
@@ -286,8 +288,12 @@ def generate_tree(
 
     t1 = time.perf_counter()
     total_draft_forwards = 0
+    full_config = config
     while active.any():
-        # 1. draft: the draft reads its pending tokens, then grows the tree
+        # 1. draft: the draft reads its pending tokens, then grows a tree no deeper than the longest
+        # active row's budget after the bonus token (at least one layer)
+        live = active.tolist()
+        config = full_config.capped(max(max_new_tokens - len(new_ids[r]) for r in range(b) if live[r]) - 1)
         forwards_before = draft.num_forwards
         pend_ids, pend_valid = pending_block(sequences, draft.lengths)
         root_logits = draft.forward(pend_ids, pend_valid, logits_to_keep=1).logits[:, -1, :vocab]

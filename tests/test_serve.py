@@ -355,6 +355,19 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server, pipe):
     assert server.scheduler.stats()["running_rows"] == 0
 
 
+def test_cli_serve_refuses_bad_defaults_before_loading_models():
+    from typer.testing import CliRunner
+
+    from quickdraft.cli import app
+
+    runner = CliRunner()
+    for args, fragment in ((["--method", "tree"], "not served"), (["--k", "0"], "k must be"),
+                           (["--policy", "specdecpp"], "--head"), (["--method", "fsd", "--threshold", "-1"], "threshold")):
+        result = runner.invoke(app, ["serve", "--target", "/nonexistent", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert fragment in result.output, (args, result.output)
+
+
 # -- disconnects, shutdown, load -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slow_pipe(tiny_target, tiny_draft):

@@ -195,6 +195,10 @@ def serve(
             target, use_draft, dtype=dtype, backend=backend, quantize=quantize, quantize_draft=quantize_draft,
             draft_dtype=draft_dtype,
         )
+        if head is not None and backend == "torch" and pipe.draft_model is not None:
+            from quickdraft.policies import SpecDecPP
+
+            SpecDecPP.from_file(head).head.check_draft(pipe.draft_model, name=f"draft {draft!r}")
     except QuickdraftError as err:
         fail(str(err))
         return

@@ -126,3 +126,16 @@ def test_a_tiny_temperature_runs_as_greedy(tiny_pipeline):
         assert result.exit_code == 0, result.output
         texts.append(json.JSONDecoder().raw_decode(result.output[result.output.index("{"):])[0]["text"])
     assert texts[0] == texts[1] and texts[0].strip()
+
+
+def test_prompt_bytes_that_are_not_utf8_give_a_clear_error():
+    """Real argv bytes (not UTF-8) reach the CLI as lone surrogates; it names the problem."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "quickdraft.cli", "generate", b"w1 \xff w2", "--target", "/nonexistent/model/dir"],
+        capture_output=True, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert b"error: prompt is not valid UTF-8" in result.stderr and b"Traceback" not in result.stderr

@@ -355,6 +355,44 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server, pipe):
     assert server.scheduler.stats()["running_rows"] == 0
 
 
+def test_a_failing_batch_fails_only_its_requests(pipe, one_thread):
+    """A step that raises (here: every step of the ``typical`` batch) fails the requests of that
+    batch with a 500 in the OpenAI format; a concurrent request of another batch completes."""
+    srv = Server(pipe, ServerConfig(model_name=MODEL))
+    make = srv.scheduler._new_batch
+
+    def new_batch(key):
+        batch = make(key)
+        if key.settings.method == "typical":
+            def broken():
+                raise RuntimeError("injected failure")
+            batch.decoder.step = broken
+        return batch
+
+    srv.scheduler._new_batch = new_batch
+    try:
+        results: dict = {}
+
+        def call(name, spec, max_tokens):
+            results[name] = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": PROMPTS[0], "max_tokens": max_tokens, "speculative": spec})
+
+        threads = [threading.Thread(target=call, args=("bad", {"method": "typical"}, 8)),
+                   threading.Thread(target=call, args=("good", {"method": "sd"}, 24))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results["bad"].status_code == 500
+        assert "injected failure" in _error(results["bad"])["message"]
+        assert results["good"].status_code == 200
+        assert results["good"].json()["choices"][0]["text"] == _reference(pipe, _ids(pipe, PROMPTS[0]), 24)[0]
+        again = srv.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8)
+        assert again.choices[0].finish_reason in ("length", "stop")
+    finally:
+        srv.stop()
+
+
 def test_cli_serve_refuses_bad_defaults_before_loading_models():
     from typer.testing import CliRunner
 

@@ -257,10 +257,17 @@ class Scheduler:
                 admit = self._take_admissible()
             self._admit_all(admit)
             for batch in list(self._batches.values()):
-                self._drop_cancelled(batch)
-                if batch.rows:
-                    self._step(batch)
-                self._retire(batch)
+                try:
+                    self._drop_cancelled(batch)
+                    if batch.rows:
+                        self._step(batch)
+                    self._retire(batch)
+                except Exception as err:  # a bug in this batch's bookkeeping: fail its requests, keep serving
+                    log.exception("batch failed")
+                    for job in {id(j): j for j, _ in batch.rows}.values():
+                        self._fail(job, f"generation failed: {err}")
+                    with self._cond:
+                        self._batches.pop(batch.key, None)
             self._gauges()
         for job in self._waiting + [j for b in self._batches.values() for j, _ in b.rows]:
             self._fail(job, "the server stopped before the request finished")

@@ -263,12 +263,22 @@ def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests
     }
 
 
+def save(path: Path, record: dict) -> None:
+    """Write the results so far (after every row: a crash keeps what was measured)."""
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
 def llamacpp_unavailable(gguf: str | None) -> tuple[str | None, str | None]:
     """(reason to skip, GGUF path)."""
     try:
-        import llama_cpp.server  # noqa: F401
+        import llama_cpp  # noqa: F401
     except ImportError as err:
-        return f"llama-cpp-python[server] is not installed ({err}); pip install 'llama-cpp-python[server]'", None
+        return f"llama-cpp-python is not installed ({err}); pip install 'llama-cpp-python[server]'", None
+    try:
+        import llama_cpp.server.app  # noqa: F401  (imports the server's own dependencies)
+    except ImportError as err:
+        return (f"llama-cpp-python is installed without its server dependencies ({err}); "
+                "pip install 'llama-cpp-python[server]'"), None
     if gguf is None:
         try:
             from quickdraft.backends.llamacpp import gguf_path_for
@@ -318,6 +328,7 @@ def main() -> None:
                 row = {"server": name, **run_row(server.url, server.model, prompts, c, args.requests, args.max_tokens,
                                                  spec, args.chat, args.timeout)}
                 record["rows"].append(row)
+                save(out_path, record)
                 print(json.dumps({k: row.get(k) for k in ("server", "concurrency", "throughput_tokens_per_second",
                                                           "ttft_seconds", "itl_seconds", "mean_acceptance_length",
                                                           "failed")}), flush=True)
@@ -335,18 +346,25 @@ def main() -> None:
                  "--n_ctx", "4096"]
         record["llamacpp_command"] = " ".join(shlex.quote(a) for a in largv)
         print(f"starting: {record['llamacpp_command']}", flush=True)
-        lserver = ServerProcess(largv, lport, Path(tmp.name) / "llamacpp.log")
         try:
-            for c in args.concurrency:
+            lserver = ServerProcess(largv, lport, Path(tmp.name) / "llamacpp.log")
+        except RuntimeError as err:
+            print(f"llama.cpp server row skipped: it did not start: {err}", flush=True)
+            record["rows"].append({"server": "llama-cpp-python", "skipped": f"did not start: {err}"})
+            lserver = None
+        try:
+            for c in args.concurrency if lserver else ():
                 row = {"server": "llama-cpp-python", **run_row(lserver.url, lserver.model, prompts, c, args.requests,
                                                                args.max_tokens, None, args.chat, args.timeout)}
                 record["rows"].append(row)
+                save(out_path, record)
                 print(json.dumps({k: row.get(k) for k in ("server", "concurrency", "throughput_tokens_per_second",
                                                           "ttft_seconds", "itl_seconds", "failed")}), flush=True)
         finally:
-            lserver.stop()
+            if lserver:
+                lserver.stop()
     record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    out_path.write_text(json.dumps(record, indent=2) + "\n")
+    save(out_path, record)
     print(f"wrote {out_path}")
     tmp.cleanup()
 

@@ -225,6 +225,47 @@ def test_streaming_completion_and_chat_match_the_full_response(server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full.choices[0].message.content
 
 
+def test_prompt_forms_token_ids_and_several_prompts(server, pipe):
+    ids = _ids(pipe, PROMPTS[0])
+    by_text = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12)
+    by_ids = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=12)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    several = server.client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=12, n=2)
+    assert [c.index for c in several.choices] == list(range(6))
+    for i, prompt in enumerate(PROMPTS[:3]):
+        alone = _reference(pipe, _ids(pipe, prompt), 12)[0]
+        assert several.choices[2 * i].text == several.choices[2 * i + 1].text == alone
+    assert several.usage.prompt_tokens == sum(len(_ids(pipe, p)) for p in PROMPTS[:3])
+
+
+def test_requests_beyond_the_batch_wait_in_the_queue(slow_pipe, one_thread):
+    """With room for 2 rows, 5 concurrent requests queue; all complete, with the texts served alone."""
+    srv = Server(slow_pipe, ServerConfig(model_name=MODEL, max_rows=2))
+    results: dict = {}
+    depth = {"max": 0, "rows": 0}
+    try:
+        def call(i):
+            results[i] = srv.client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=10,
+                                                       extra_body={"speculative": {"method": "ar"}})
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            stats = srv.scheduler.stats()
+            depth["max"] = max(depth["max"], stats["waiting"])
+            depth["rows"] = max(depth["rows"], stats["running_rows"])
+            time.sleep(0.005)
+        for t in threads:
+            t.join(60)
+        assert depth["max"] >= 1 and depth["rows"] <= 2
+        for i in range(5):
+            assert results[i].choices[0].text == _reference(slow_pipe, _ids(slow_pipe, PROMPTS[i]), 10, method="ar")[0]
+        assert "quickdraft_queue_depth 0.0" in httpx.get(f"{srv.url}/metrics").text
+    finally:
+        srv.stop()
+
+
 def test_stream_wire_format_is_server_sent_events(server):
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
@@ -347,6 +388,10 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server, pipe):
         r = httpx.post(target_url, headers={"content-type": "application/json"}, timeout=30, **kw)
         assert r.status_code == status, (body if isinstance(body, dict) else body[:20], r.text)
         assert fragment in _error(r)["message"] or fragment == _error(r)["param"], r.text
+    r = httpx.get(f"{server.url}/v1/nothing-here")
+    assert r.status_code == 404 and _error(r)["code"] == "not_found"
+    r = httpx.get(url)
+    assert r.status_code == 405 and _error(r)
     with pytest.raises(openai.BadRequestError) as info:
         server.client.completions.create(model=MODEL, prompt="w5", max_tokens=8, extra_body={"speculative": {"method": "x"}})
     assert "unknown or unserved method" in str(info.value)

@@ -27,6 +27,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
@@ -247,6 +248,11 @@ def create_app(pipe, config: ServerConfig | None = None) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
         return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):  # unknown route, wrong method
+        kind = "not_found" if err.status_code == 404 else None
+        return APIError(err.status_code, str(err.detail), code=kind).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, err: Exception):  # pragma: no cover - a bug

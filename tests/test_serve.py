@@ -96,9 +96,10 @@ def server(pipe, one_thread):
 
 
 def _reference(pipe, prompt_ids: list[int], max_tokens: int, method: str = "sd", k: int = 4, policy: str = "constant",
-               temperature: float = 0.0, seed: int = 0, n: int = 1, stop: tuple[str, ...] = (), **spec_kw) -> list[str]:
+               temperature: float = 0.0, seed: int = 0, n: int = 1, stop: tuple[str, ...] = (), top_p: float = 1.0,
+               **spec_kw) -> list[str]:
     """The texts of the request served alone: Pipeline.generate with the same settings."""
-    sampling = SamplingParams(temperature=temperature)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p)
     settings = ServeDefaults(method=method, k=k, policy=policy, **spec_kw)
     spec = build_spec(settings, sampling, seed)
     out = pipe.generate([], prompt_ids=[prompt_ids] * n, method=spec.engine_method, policy=spec.policy, rule=spec.rule,
@@ -301,6 +302,9 @@ def test_stop_strings_n_and_seed(server, pipe):
     b = server.client.completions.create(**kw, n=2)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert [c.text for c in a.choices] == _reference(pipe, ids, 16, temperature=0.9, seed=7, n=2)
+    c = server.client.completions.create(**{**kw, "seed": 11}, top_p=0.8,
+                                         extra_body={"speculative": {"method": "sd", "k": 3}})
+    assert c.choices[0].text == _reference(pipe, ids, 16, k=3, temperature=0.9, seed=11, top_p=0.8)[0]
 
 
 SETTINGS = [

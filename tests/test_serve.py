@@ -502,9 +502,10 @@ def test_client_disconnect_mid_stream_frees_its_row(slow_pipe, one_thread):
                     f"{srv.url}/v1/completions", json=other, timeout=60)))
                 waiter.start()
             t_closed = time.monotonic()
-        # the stream's row leaves its batch well before its 300 tokens (>= 4.5 s of forwards)
+        # the stream's row leaves its batch (the token count below shows it did so before its 300
+        # tokens, >= 4.5 s of forwards)
         while srv.scheduler.stats()["running_rows"] > (1 if waiter.is_alive() else 0):
-            assert time.monotonic() - t_closed < 3.0, srv.scheduler.stats()
+            assert time.monotonic() - t_closed < 10.0, srv.scheduler.stats()
             time.sleep(0.01)
         waiter.join(60)
         assert result["r"].status_code == 200  # the other request was not harmed
@@ -516,7 +517,8 @@ def test_client_disconnect_mid_stream_frees_its_row(slow_pipe, one_thread):
         metrics = httpx.get(f"{srv.url}/metrics").text
         generated = next(float(line.split()[-1]) for line in metrics.splitlines()
                          if line.startswith("quickdraft_completion_tokens_total"))
-        assert generated < 300
+        streamed = generated - result["r"].json()["usage"]["completion_tokens"]
+        assert 3 <= streamed < 300  # the stream stopped early
     finally:
         srv.stop()
 

@@ -449,7 +449,8 @@ def test_cli_serve_refuses_bad_defaults_before_loading_models():
 
     runner = CliRunner()
     for args, fragment in ((["--method", "tree"], "not served"), (["--k", "0"], "k must be"),
-                           (["--policy", "specdecpp"], "--head"), (["--method", "fsd", "--threshold", "-1"], "threshold")):
+                           (["--policy", "specdecpp"], "--head"), (["--method", "fsd", "--threshold", "-1"], "threshold"),
+                           (["--draft", "none"], "needs a draft model")):
         result = runner.invoke(app, ["serve", "--target", "/nonexistent", *args])
         assert result.exit_code == 2, (args, result.output)
         assert fragment in result.output, (args, result.output)

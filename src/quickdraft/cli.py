@@ -187,10 +187,12 @@ def serve(
             fsd_raw=fsd_raw, divergence_top_k=divergence_top_k,
         )
         sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
-        build_spec(defaults, sampling, 0)  # a bad default fails here, not at the first request
+        spec = build_spec(defaults, sampling, 0)  # a bad default fails here, not at the first request
         from quickdraft.pipeline import Pipeline
 
         use_draft = None if draft.lower() == "none" else draft
+        if use_draft is None and spec.needs_draft:
+            raise QuickdraftError(f"the default method {method!r} needs a draft model: give --draft or --method ar/ngram")
         pipe = Pipeline.from_specs(
             target, use_draft, dtype=dtype, backend=backend, quantize=quantize, quantize_draft=quantize_draft,
             draft_dtype=draft_dtype,

@@ -475,7 +475,7 @@ class Decoder:
         # 3. accept
         result = verify_chain(
             draft.ids, draft.probs, target_probs, rule, ctx=ctx,
-            draft_lengths=draft.lengths if k else None,
+            draft_lengths=draft.lengths if k else None, check_probs=False,
         )
         # 4. commit
         accepted = result.num_accepted

@@ -146,15 +146,23 @@ class Pipeline:
     @classmethod
     def _from_openvino(cls, target: str, draft: str | None, quantize: str, quantize_draft: str) -> "Pipeline":
         """Both models as OpenVINO exports; ``quantize`` / ``quantize_draft`` pick the NNCF weight
-        format (``int8``, ``int4``, or ``none``: float32)."""
+        format (``int8``, ``int4``, or ``none``: float32).
+
+        The runtime gets torch's thread count, and torch is then set to one thread
+        (:func:`quickdraft.backends.openvino.runner.yield_cores_to_openvino`): the engine's own
+        torch work per step is small, and torch's idle OpenMP workers spinning beside OpenVINO's
+        threads slow every forward by up to 2x on a 2-core CPU."""
         from quickdraft.backends.openvino import load_openvino
+        from quickdraft.backends.openvino.runner import yield_cores_to_openvino
         from quickdraft.models import check_compatible
 
-        target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize)
+        threads = yield_cores_to_openvino()
+
+        target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize, n_threads=threads)
         draft_runner = None
         if draft is not None:
             draft_runner, draft_tokenizer = load_openvino(
-                draft, "draft", weight_format=quantize_draft, vocab_size=target_runner.vocab_size)
+                draft, "draft", weight_format=quantize_draft, n_threads=threads, vocab_size=target_runner.vocab_size)
             check_compatible(tokenizer, draft_tokenizer, target_runner.model, draft_runner.model)
         return cls(
             target_runner.model, tokenizer, draft_runner.model if draft_runner else None,

@@ -11,7 +11,8 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
   (activations, norms and embeddings in ``--base-dtype``)
 * ``torch-fp32/int4-sd``  target float32 (untouched), draft int4 (``--quantize-draft int4``)
 * ``openvino-int8-ar`` / ``-sd`` / ``-ngram_sd`` …  our engine on :class:`OpenVINORunner` (OpenVINO exports of
-  target and draft, NNCF int8 weights; ``openvino-int4-*``: int4)
+  target and draft, NNCF int8 weights; ``openvino-int4-*``: int4; ``openvino-int8/int4-*``: int8 target,
+  int4 draft)
 * ``ovgenai-int8-anchor``  OpenVINO GenAI's own plain decoding of the same int8 target weights;
   ``ovgenai-int8-sd`` / ``-sdN``: its own speculative decoding with the int8 draft, ``num_assistant_tokens``
   = K (:func:`anchors.openvino_genai_generate`)
@@ -138,7 +139,9 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
 
     pipes = {}
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("openvino-")}):
-        pipes[f"openvino-{weights}"] = Pipeline.from_specs("target", "draft", backend="openvino", quantize=weights)
+        target_w, _, draft_w = weights.partition("/")
+        pipes[f"openvino-{weights}"] = Pipeline.from_specs(
+            "target", "draft", backend="openvino", quantize=target_w, quantize_draft=draft_w or target_w)
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("ovgenai-")}):
         pipes[f"ovgenai-{weights}"] = genai_pipelines(weights, any("-sd" in c for c in configs if c.startswith("ovgenai-")))
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("torch-")}):

@@ -290,3 +290,67 @@ def _tokenizer_files(hf_dir):
 
     word_tokenizer().save_pretrained(hf_dir)
     return (hf_dir / "tokenizer.json").is_file()
+
+
+def test_torch_yields_the_cores_to_openvino():
+    """The openvino backend runs torch on one thread and gives OpenVINO torch's thread count."""
+    from quickdraft.backends.openvino import runner as ov_runner
+
+    before, saved = torch.get_num_threads(), ov_runner._TORCH_THREADS
+    try:
+        ov_runner._TORCH_THREADS = None
+        torch.set_num_threads(2)
+        assert ov_runner.yield_cores_to_openvino() == 2
+        assert torch.get_num_threads() == 1
+        assert ov_runner.yield_cores_to_openvino() == 2  # the first count, not the current one
+    finally:
+        ov_runner._TORCH_THREADS = saved
+        torch.set_num_threads(before)
+
+
+def test_pipeline_from_specs_on_openvino_equals_torch(tmp_path):
+    """``Pipeline.from_specs(..., backend="openvino")`` exports Hugging Face directories once and
+    decodes them: float32 exports give the torch pipeline's greedy tokens, for ar and sd."""
+    from conftest import perturbed_copy
+    from quickdraft.pipeline import Pipeline
+
+    before = torch.get_num_threads()
+    target = tiny_lm(seed=4, vocab=72)  # room for the ids the saved word tokenizer adds
+    hf_t, hf_d = _save(target, tmp_path / "t"), _save(perturbed_copy(target, 0.3, seed=5), tmp_path / "d")
+    for d in (hf_t, hf_d):
+        _tokenizer_files(d)
+    try:
+        ov_pipe = Pipeline.from_specs(str(hf_t), str(hf_d), backend="openvino", quantize="none")
+        assert is_exported(hf_t / "openvino-none") and is_exported(hf_d / "openvino-none")
+        torch_pipe = Pipeline.from_specs(str(hf_t), str(hf_d), dtype="float32")
+        for method in ("ar", "sd"):
+            kw = dict(prompt_ids=[[1, 5, 9, 2, 7], [3, 4]], method=method, max_new_tokens=16, policy=Constant(3))
+            a = ov_pipe.generate(["", ""], **kw).completions
+            b = torch_pipe.generate(["", ""], **kw).completions
+            assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["f32", None])
+def test_real_pair_greedy_speculative_equals_plain_on_openvino(precision):
+    """The default pair's int8 exports: every lossless chain method's greedy output equals the same
+    backend's plain greedy output, token for token, over 128 tokens on three HumanEval prompts —
+    with f32 activations, and with the plugin's default precision (bf16 on CPUs with native bf16),
+    where the one-token and the multi-token forwards run other kernels."""
+    from quickdraft.backends.openvino import load_openvino
+    from quickdraft.datasets import load_humaneval
+    from quickdraft.pipeline import Pipeline
+
+    target, tokenizer = load_openvino("target", "target", inference_precision=precision)
+    draft, _ = load_openvino("draft", "draft", inference_precision=precision)
+    pipe = Pipeline(target.model, tokenizer, draft.model, target_runner=target, draft_runner=draft)
+    prompts = [pipe.encode_messages(p.messages) for p in load_humaneval()[:3]]
+    kw = dict(max_new_tokens=128, policy=Constant(4))
+    plain = pipe.generate([""] * 3, prompt_ids=prompts, method="ar", **kw).completions
+    assert all(len(c.token_ids) >= 32 for c in plain)
+    for method in ("sd", "ngram", "ngram_sd"):
+        for row, ids in enumerate(prompts):
+            out = pipe.generate([""], prompt_ids=[ids], method=method, **kw).completions[0]
+            assert out.token_ids == plain[row].token_ids, (method, row, precision)

@@ -138,10 +138,21 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         return models[role, weights]
 
     pipes = {}
+    runners: dict[tuple[str, str], object] = {}  # (role, weights) -> OpenVINORunner, shared across keys
+
+    def ov_runner(role: str, weights: str):
+        from quickdraft.backends.openvino import load_openvino
+        from quickdraft.backends.openvino.runner import yield_cores_to_openvino
+
+        if (role, weights) not in runners:
+            runners[role, weights] = load_openvino(role, role, weight_format=weights_format_check(weights),
+                                                   n_threads=yield_cores_to_openvino())
+        return runners[role, weights]
+
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("openvino-")}):
         target_w, _, draft_w = weights.partition("/")
-        pipes[f"openvino-{weights}"] = Pipeline.from_specs(
-            "target", "draft", backend="openvino", quantize=target_w, quantize_draft=draft_w or target_w)
+        (target, tok), (draft, _) = ov_runner("target", target_w), ov_runner("draft", draft_w or target_w)
+        pipes[f"openvino-{weights}"] = Pipeline(target.model, tok, draft.model, target_runner=target, draft_runner=draft)
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("ovgenai-")}):
         pipes[f"ovgenai-{weights}"] = genai_pipelines(weights, any("-sd" in c for c in configs if c.startswith("ovgenai-")))
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("torch-")}):
@@ -152,6 +163,14 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
     if any(c.startswith("llamacpp") for c in configs):
         pipes["llamacpp"] = Pipeline.from_specs("target", "draft", backend="llamacpp")
     return pipes
+
+
+def weights_format_check(weights: str) -> str:
+    from quickdraft.backends.openvino import WEIGHT_FORMATS
+
+    if weights not in WEIGHT_FORMATS:
+        raise SystemExit(f"unknown OpenVINO weights {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
+    return weights
 
 
 class GenAIPipelines:
@@ -175,8 +194,10 @@ def genai_pipelines(weights: str, speculative: bool) -> GenAIPipelines:
         if not is_exported(out):
             export(resolve(role), out, weights, layout="genai")
         dirs.append(out)
-    plain = openvino_genai_pipeline(dirs[0], n_threads=torch.get_num_threads())
-    spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=torch.get_num_threads()) if speculative else None
+    from quickdraft.backends.openvino.runner import openvino_threads
+
+    plain = openvino_genai_pipeline(dirs[0], n_threads=openvino_threads())
+    spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=openvino_threads()) if speculative else None
     return GenAIPipelines(dirs[0], dirs[1], plain, spec)
 
 

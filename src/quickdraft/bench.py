@@ -592,7 +592,9 @@ class CellRunner:
                 runner.export_info.get("source") if type(runner).__name__ == "OpenVINORunner" else role)
             target = export_for(source(self.pipe.target, "target"), weights, layout="genai")
             draft = export_for(source(self.pipe.draft, "draft"), weights, layout="genai") if name == "ovgenai-sd" else None
-            self._genai[name] = anchors.openvino_genai_pipeline(target, draft, n_threads=torch.get_num_threads())
+            from quickdraft.backends.openvino.runner import openvino_threads
+
+            self._genai[name] = anchors.openvino_genai_pipeline(target, draft, n_threads=openvino_threads())
         return self._genai[name]
 
     def _gguf_path(self) -> Path | None:
@@ -601,23 +603,26 @@ class CellRunner:
         if self.llamacpp_model:
             return Path(self.llamacpp_model)
         source = getattr(self.pipe.target_model.config, "_name_or_path", "") or ""
-        candidate = Path(source) / "model.gguf" if source else None
-        return candidate if candidate is not None and candidate.is_file() else None
+        if not source:
+            return None
+        # a cache entry holds the GGUF; an OpenVINO export lies one folder below its entry
+        candidates = [Path(source) / "model.gguf", Path(source).parent / "model.gguf"]
+        return next((c for c in candidates if c.is_file()), None)
 
     def _llamacpp(self, ids, sampling, seed, max_new_tokens):
-        import torch
-
         from quickdraft import anchors
+        # the process's thread count: torch runs on one thread beside the openvino backend
+        from quickdraft.backends.openvino.runner import openvino_threads
 
         if self._llama is None:  # load once; the load time is logged, never timed
             from quickdraft.backends.llamacpp import LlamaGGUF
 
             start = time.perf_counter()
-            self._llama = LlamaGGUF(self._gguf_path(), n_ctx=4096, n_threads=torch.get_num_threads())
+            self._llama = LlamaGGUF(self._gguf_path(), n_ctx=4096, n_threads=openvino_threads())
             self.llamacpp_load_seconds = time.perf_counter() - start
         return anchors.llamacpp_generate(
             self._gguf_path(), ids, sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
-            seed=seed, n_threads=torch.get_num_threads(), model=self._llama,
+            seed=seed, n_threads=openvino_threads(), model=self._llama,
         )
 
 

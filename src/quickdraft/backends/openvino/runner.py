@@ -79,6 +79,12 @@ def yield_cores_to_openvino() -> int:
     return _TORCH_THREADS
 
 
+def openvino_threads() -> int:
+    """Inference threads for an OpenVINO model (ours or OpenVINO GenAI's): torch's thread count, as
+    it was before :func:`yield_cores_to_openvino` set it to one."""
+    return _TORCH_THREADS if _TORCH_THREADS is not None else max(1, torch.get_num_threads())
+
+
 def core():
     """One ``openvino.Core`` per process (compiled models share its CPU executor)."""
     global _CORE

@@ -163,7 +163,7 @@ def make_entry(name: str, params: dict[str, Any] | None = None) -> Entry:
     name = name.strip()
     params = dict(params or {})
     if name in ANCHOR_NAMES:
-        allowed = {"k": int} if name == "hf-prompt-lookup" else {}
+        allowed = {"k": int} if name in ("hf-prompt-lookup", "ovgenai-sd") else {}
     elif name in METHOD_NAMES:
         allowed = _parameter_types()
     else:

@@ -334,7 +334,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     known = {
         "title", "description", "dataset", "limit", "temperature", "temperatures", "seed", "max_new_tokens",
         "methods", "anchors", "sweep", "baseline", "warmup_tokens", "fidelity", "sandbox_workers",
-        "target", "draft", "dtype", "draft_dtype", "threads", "quantize", "quantize_draft",
+        "target", "draft", "dtype", "draft_dtype", "threads", "backend", "quantize", "quantize_draft",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -939,7 +939,7 @@ def bench_command(
     draft_dtype: Optional[str] = typer.Option(
         None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
-    backend: Optional[str] = typer.Option(None, help="torch, openvino or llamacpp (as for `generate`; default torch)."),
+    backend: Optional[str] = typer.Option(None, help="auto, torch, openvino or llamacpp (as for `generate`; default auto)."),
     quantize: Optional[str] = typer.Option(None, help="auto, none, int8 or int4 (as for `generate`)."),
     quantize_draft: Optional[str] = typer.Option(
         None, "--quantize-draft", help="Override --quantize for the draft alone (int4: lossless methods stay exact)."),
@@ -971,7 +971,9 @@ def bench_command(
         draft_spec = draft or model_fields["draft"] or "draft"
         dtype = dtype or model_fields["dtype"] or "auto"
         threads = threads or model_fields["threads"]
-        backend = backend or model_fields["backend"] or "torch"
+        from quickdraft.backends import resolve_backend
+
+        backend = resolve_backend(backend or model_fields["backend"] or "auto")
         quantize = quantize or model_fields["quantize"] or "auto"
         quantize_draft = quantize_draft or model_fields["quantize_draft"]
         draft_dtype = draft_dtype or model_fields["draft_dtype"]

@@ -14,6 +14,7 @@ import typer
 from quickdraft.analyze import analyze_command
 from quickdraft.bench import bench_command
 from quickdraft.errors import QuickdraftError
+from quickdraft.backends import resolve_backend
 from quickdraft.headtrain import train_head_command
 from quickdraft.methods import METHOD_NAMES, build_method
 from quickdraft.models import models_app
@@ -53,8 +54,9 @@ def generate(
     draft_dtype: Optional[str] = typer.Option(
         None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     backend: str = typer.Option(
-        "torch", help="torch; openvino (OpenVINO exports of the models, made once; needs quickdraft[openvino]); "
-        "or llamacpp (runs the GGUF files; needs quickdraft[llamacpp])."),
+        "auto", help="auto (openvino where installed, else torch); openvino (OpenVINO exports of the models, "
+        "made once; needs quickdraft[openvino]); torch (the reference and research backend); or llamacpp "
+        "(runs the GGUF files; needs quickdraft[llamacpp])."),
     quantize: str = typer.Option(
         "auto", help="Weights: auto (torch: as loaded; openvino: int8), none, int8 or int4 (torch: weight-only "
         "linear layers; openvino: NNCF weight compression)."),
@@ -108,7 +110,7 @@ def generate(
             quantize_draft=quantize_draft, draft_dtype=draft_dtype,
         )
         acceptance_head = getattr(spec.policy, "head", None)
-        if acceptance_head is not None and backend == "torch" and pipe.draft_model is not None:
+        if acceptance_head is not None and resolve_backend(backend) == "torch" and pipe.draft_model is not None:
             acceptance_head.check_draft(pipe.draft_model, name=f"draft {draft!r}")  # clear error on a mismatch
         if not json_out:
             typer.echo(f"[{method}] target={target} draft={draft if spec.needs_draft else '-'}", err=True)

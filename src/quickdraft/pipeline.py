@@ -84,7 +84,8 @@ class Pipeline:
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
-        ``backend="llamacpp"`` runs both models' GGUF files through llama.cpp
+        ``backend="auto"`` is :func:`quickdraft.backends.resolve_backend`'s choice (``openvino`` where
+        it is installed, else ``torch``). ``backend="llamacpp"`` runs both models' GGUF files through llama.cpp
         (:mod:`quickdraft.backends.llamacpp`, batch size 1); ``backend="openvino"`` runs OpenVINO
         exports of both models (:mod:`quickdraft.backends.openvino`, made once into the cache entry),
         with NNCF weight compression ``quantize`` (``auto`` = ``int8``, ``int4``, ``none``). On the
@@ -99,12 +100,13 @@ class Pipeline:
         ``draft_dtype`` (``auto``, ``bfloat16``, ``float32``; default ``None``: as ``dtype``) is the
         draft's dtype (:func:`quickdraft.models.resolve_draft_dtype`).
         """
-        from quickdraft.backends import BACKEND_NAMES
+        from quickdraft.backends import BACKEND_NAMES, resolve_backend
         from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
         from quickdraft.quant import QUANTIZE_NAMES, quantize_by_name
 
+        backend = resolve_backend(backend)
         if backend not in BACKEND_NAMES:
-            raise QuickdraftError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+            raise QuickdraftError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKEND_NAMES)}")
         if quantize_draft is None:
             quantize_draft = quantize
         for what, name in (("quantize", quantize), ("quantize_draft", quantize_draft)):

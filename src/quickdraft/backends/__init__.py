@@ -25,4 +25,16 @@ from typing import Literal
 BackendName = Literal["torch", "llamacpp", "openvino"]
 BACKEND_NAMES: tuple[str, ...] = ("torch", "llamacpp", "openvino")
 
-__all__ = ["BACKEND_NAMES", "BackendName"]
+
+def resolve_backend(name: str) -> str:
+    """``auto`` is the fastest backend installed on a CPU: ``openvino`` where OpenVINO and NNCF import
+    (``benchmarks/bench_perf.py`` measures it against the others), else ``torch``; any other name
+    is returned as it is."""
+    if name != "auto":
+        return name
+    from quickdraft.backends.openvino.runner import is_available
+
+    return "openvino" if is_available() else "torch"
+
+
+__all__ = ["BACKEND_NAMES", "BackendName", "resolve_backend"]

@@ -23,7 +23,7 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 ``x_own_ar`` divides by the plain decoding of the same *target* weights (``torch-fp32/int4-sd`` is
 compared with ``torch-fp32-ar``).
 
-Prompts are the first ``--limit`` HumanEval problems as chat; every prompt runs every config (the
+Prompts are the first ``--limit`` problems of each of ``--datasets`` (HumanEval, MT-Bench's first turns) as chat; every prompt runs every config (the
 order rotates from prompt to prompt, so machine drift hits all alike) after a short warm-up. Times
 are end to end per prompt (prefill included). Also measured, unless skipped: memory bandwidth (a
 large array copy), the cost of a target forward over m = 1, 2, 5, 9, 16 new tokens (5 and 9 verify K = 4 and 8) per backend
@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quickdraft.datasets import load_humaneval
+from quickdraft.datasets import load_dataset
 from quickdraft.models import resolve_dtype
 from quickdraft.policies import Constant
 from quickdraft.sampling import SamplingParams
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     result: dict = {
         "command": "python benchmarks/bench_perf.py " + " ".join(args.argv),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+        "machine": {"cpu": platform.processor() or platform.machine(), **_lscpu(), "threads": args.threads,
                     "torch": torch.__version__, "loadavg_start": list(_loadavg())},
         "note": "shared machine: compare ratios within this file, not absolute figures across files",
     }
@@ -259,7 +259,9 @@ def run(args: argparse.Namespace) -> dict:
             for role, r in (("target", p.target), ("draft", p.draft))
         }
     any_pipe = next(p for p in pipes.values() if not isinstance(p, GenAIPipelines))
-    problems = load_humaneval()[: args.limit]
+    problems = []
+    for name in args.datasets:  # the first --limit prompts of each dataset, in file order
+        problems += load_dataset(name, args.limit)
     prompt_ids = [any_pipe.encode_messages(p.messages) for p in problems]
     eos = any_pipe.eos_ids()
     anchor_model = None
@@ -289,11 +291,19 @@ def run(args: argparse.Namespace) -> dict:
                 res = openvino_genai_generate(pipe.speculative, ids, sampling=sampling, max_new_tokens=max_new,
                                               eos_token_ids=eos, seed=seed, num_assistant_tokens=k or args.k)
             return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
+        runners = [r for r in (pipe.target, pipe.draft) if hasattr(r, "infer_seconds")]
+        infer_before = sum(r.infer_seconds for r in runners)
         out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(k or args.k), sampling=sampling,
                             max_new_tokens=max_new, seed=seed,
                             ngram=(args.ngram_min, 3) if method == "ngram" else None, lookup_k=args.lookup_k)
         m = out.metrics
-        return {
+        extra = {}
+        if runners:  # the engine's share: everything but the runtime's inference calls
+            infer = sum(r.infer_seconds for r in runners) - infer_before
+            total = m.prefill_seconds + m.decode_seconds
+            extra = {"runtime_seconds": infer, "engine_seconds": total - infer,
+                     "engine_share": (total - infer) / total, "steps": max(1, m.target_forwards - 1)}
+        return {**extra,
             "new_tokens": m.new_tokens, "seconds": m.prefill_seconds + m.decode_seconds,
             "decode_seconds": m.decode_seconds, "mean_acceptance_length": m.mean_acceptance_length,
             "target_forwards": m.target_forwards, "draft_forwards": m.draft_forwards,
@@ -311,7 +321,8 @@ def run(args: argparse.Namespace) -> dict:
             order = args.configs[i % len(args.configs):] + args.configs[: i % len(args.configs)]
             for config in order:
                 r = one(config, ids, sampling, seed=i, max_new=args.max_new_tokens)
-                r.update(config=config, temperature=temperature, prompt=problems[i].id)
+                r.update(config=config, temperature=temperature, prompt=problems[i].id,
+                         dataset="mtbench" if problems[i].id.startswith("mtbench/") else "humaneval")
                 rows.append(r)
                 if args.out:  # a partial file after every row: a cut-off run still leaves its data
                     Path(args.out).with_suffix(".partial.json").write_text(json.dumps({**result, "rows": rows}))
@@ -331,11 +342,17 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -> dict:
-    """Per config and temperature: tokens/s over the prompts that *every* config completed at that
-    temperature (a run stopped midway compares like with like), ratios and acceptance."""
+    """Per config, temperature and dataset (and over all datasets): tokens/s over the prompts that
+    *every* config completed at that temperature (a run stopped midway compares like with like),
+    ratios and acceptance. Keys ``<config>@T=<t>`` (all prompts) and ``<config>@<dataset>@T=<t>``."""
     summary = {}
-    for temperature in temperatures:
-        at_t = [r for r in rows if r["temperature"] == temperature]
+    datasets = list(dict.fromkeys(r.get("dataset", "humaneval") for r in rows))
+    groups = [(None, t) for t in temperatures]
+    if len(datasets) > 1:
+        groups += [(d, t) for d in datasets for t in temperatures]
+    for dataset, temperature in groups:
+        at_t = [r for r in rows if r["temperature"] == temperature
+                and (dataset is None or r.get("dataset", "humaneval") == dataset)]
         complete = [p for p in dict.fromkeys(r["prompt"] for r in at_t)
                     if all(any(r["config"] == c and r["prompt"] == p for r in at_t) for c in configs)]
         if not complete:
@@ -354,6 +371,9 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                      "prompts": len(complete)}
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
+            if sel and all("engine_seconds" in r for r in sel):  # the engine's share of the time
+                entry["engine_share"] = sum(r["engine_seconds"] for r in sel) / sum(r["seconds"] for r in sel)
+                entry["engine_ms_per_step"] = 1000 * sum(r["engine_seconds"] for r in sel) / sum(r["steps"] for r in sel)
             for other in genai_sd:  # OpenVINO GenAI's own speculative decoding, the issue's bar
                 entry[f"x_{other}"] = entry["tokens_per_second"] / tps(other)
             if parse_config(config)[1] in ("sd", "ngram", "ngram_sd"):
@@ -367,8 +387,22 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                 if temperature == 0.0 and ar in configs:
                     own = {r["prompt"]: r["new_ids"] for r in rows_t if r["config"] == ar}
                     entry["identical_to_own_ar"] = f"{sum(r['new_ids'] == own[r['prompt']] for r in sel)}/{len(sel)}"
-            summary[f"{config}@T={temperature}"] = entry
+            summary[f"{config}@{dataset}@T={temperature}" if dataset else f"{config}@T={temperature}"] = entry
     return summary
+
+
+def _lscpu() -> dict:
+    """The CPU's model name and its vector / matrix ISA flags, as ``lscpu`` prints them."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    return {"cpu_model": fields.get("Model name", "").strip(),
+            "isa": [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]}
 
 
 def _reset_peak_rss() -> None:
@@ -415,7 +449,8 @@ def finalize_partial(path: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--limit", type=int, default=4)
+    parser.add_argument("--limit", type=int, default=4, help="prompts per dataset")
+    parser.add_argument("--datasets", nargs="+", default=["humaneval"], help="humaneval and/or mtbench")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))

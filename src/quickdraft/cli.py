@@ -62,6 +62,9 @@ def generate(
         "linear layers; openvino: NNCF weight compression)."),
     quantize_draft: Optional[str] = typer.Option(
         None, help="Override --quantize for the draft alone (e.g. int4: lossless methods stay exact)."),
+    exact: bool = typer.Option(
+        False, "--exact", help="openvino: batch-invariant arithmetic (f32, no on-the-fly int8 activations), so greedy "
+        "speculative output equals plain greedy output token for token; verification costs more."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string, non-empty (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
     divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),
@@ -107,10 +110,10 @@ def generate(
         check_stop_strings(stop)
         pipe = Pipeline.from_specs(
             target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
-            quantize_draft=quantize_draft, draft_dtype=draft_dtype,
+            quantize_draft=quantize_draft, draft_dtype=draft_dtype, exact=exact,
         )
         acceptance_head = getattr(spec.policy, "head", None)
-        if acceptance_head is not None and resolve_backend(backend) == "torch" and pipe.draft_model is not None:
+        if acceptance_head is not None and pipe.draft_model is not None and resolve_backend(backend) != "llamacpp":
             acceptance_head.check_draft(pipe.draft_model, name=f"draft {draft!r}")  # clear error on a mismatch
         if not json_out:
             typer.echo(f"[{method}] target={target} draft={draft if spec.needs_draft else '-'}", err=True)

@@ -80,7 +80,7 @@ class Pipeline:
     def from_specs(
         cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
         backend: str = "torch", quantize: str = "auto", quantize_draft: str | None = None,
-        pack: bool | None = None, draft_dtype: str | None = None,
+        pack: bool | None = None, draft_dtype: str | None = None, exact: bool = False,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
@@ -98,7 +98,9 @@ class Pipeline:
         ``None``: where that is the fast path — fp32 on a CPU without native bf16), so that a
         verification forward over K + 1 tokens costs about as much as a one-token forward.
         ``draft_dtype`` (``auto``, ``bfloat16``, ``float32``; default ``None``: as ``dtype``) is the
-        draft's dtype (:func:`quickdraft.models.resolve_draft_dtype`).
+        draft's dtype (:func:`quickdraft.models.resolve_draft_dtype`). ``exact`` (openvino only) runs
+        both models with batch-invariant arithmetic, so that greedy speculative output equals plain
+        greedy output token for token (:class:`quickdraft.backends.openvino.OpenVINORunner`).
         """
         from quickdraft.backends import BACKEND_NAMES, resolve_backend
         from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
@@ -115,7 +117,9 @@ class Pipeline:
         quantize = resolve_quantize(backend, quantize)
         quantize_draft = resolve_quantize(backend, quantize_draft)
         if backend == "openvino":
-            return cls._from_openvino(target, draft, quantize, quantize_draft)
+            return cls._from_openvino(target, draft, quantize, quantize_draft, exact)
+        if exact:
+            raise QuickdraftError("exact applies to the openvino backend (its default arithmetic depends on the block size)")
         if backend == "llamacpp":
             if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
@@ -146,7 +150,8 @@ class Pipeline:
         return cls(target_model, tokenizer, draft_model)
 
     @classmethod
-    def _from_openvino(cls, target: str, draft: str | None, quantize: str, quantize_draft: str) -> "Pipeline":
+    def _from_openvino(cls, target: str, draft: str | None, quantize: str, quantize_draft: str,
+                       exact: bool = False) -> "Pipeline":
         """Both models as OpenVINO exports; ``quantize`` / ``quantize_draft`` pick the NNCF weight
         format (``int8``, ``int4``, or ``none``: float32).
 
@@ -160,11 +165,12 @@ class Pipeline:
 
         threads = yield_cores_to_openvino()
 
-        target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize, n_threads=threads)
+        target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize, n_threads=threads, exact=exact)
         draft_runner = None
         if draft is not None:
             draft_runner, draft_tokenizer = load_openvino(
-                draft, "draft", weight_format=quantize_draft, n_threads=threads, vocab_size=target_runner.vocab_size)
+                draft, "draft", weight_format=quantize_draft, n_threads=threads, exact=exact,
+                vocab_size=target_runner.vocab_size)
             check_compatible(tokenizer, draft_tokenizer, target_runner.model, draft_runner.model)
         return cls(
             target_runner.model, tokenizer, draft_runner.model if draft_runner else None,

@@ -7,14 +7,32 @@ It drives ``llama-cpp-python``'s low-level C API directly (no high-level ``Llama
   draft tokens is one call that returns ``[1, K+1, V]`` float32 logits;
 * roll-back is ``llama_memory_seq_rm(mem, seq=0, p0=new_length, p1=-1)``, which drops every cached
   position ``>= new_length`` (the ``llama_kv_cache_seq_rm`` of older releases);
-* the sampling, the verification and the rules stay in torch, on the logits this backend returns,
-  so a method's output is lossless with respect to *this* backend's distributions.
+* the sampling, the verification and the rules stay in torch, on the logits this backend returns.
+
+Exactness. llama.cpp's CPU kernels depend on how many tokens one ``llama_decode`` holds, so the
+logits of a token verified inside a block of K+1 are not bitwise those of the same token decoded
+alone. Three kernel switches cause it (measured with llama-cpp-python 0.3.36, Qwen2.5 Q4_K_M):
+
+* repacked weights (``use_extra_bufts``) multiply 4 rows at a time with a GEMM kernel and the
+  remaining rows with a GEMV kernel, so blocks of 4 or more tokens differ from 1-token decodes;
+* without repacking, blocks of 8 or more tokens still take another kernel path;
+* flash attention over an F16/F32 KV cache decodes a single token with a split-KV kernel once the
+  cache view reaches 512 cells (more than 256 cached tokens), and a block with the per-row kernel.
+
+By default (``exact=False``: repacking on, llama.cpp's default attention and F16 cache) greedy
+speculative output therefore can depart from this backend's plain greedy output, and the runner's
+plain greedy output (prompt minus its last token in one call, then one token per call) can depart
+from llama.cpp's own (whole prompt in one call). ``exact=True`` turns the three switches off: no
+repacking, flash attention on, a BF16 KV cache (no split-KV kernel), and blocks of up to
+:data:`EXACT_SPLIT_MAX` tokens (every verification block) decoded in calls of at most
+:data:`EXACT_CALL_TOKENS` tokens. Then every token's logits are bitwise those of 1-token decoding
+and greedy speculative output equals plain greedy output, at about 1.2x the time per forward on
+the machine measured (README, benchmarks/bench_llamacpp_exactness.py).
 
 Batch size 1 only (``reset(B)`` with ``B > 1`` raises); trees would use more sequence ids.
 
-Weight repacking into the CPU's "extra buffer types" (``use_extra_bufts``, e.g. Q4_K into the
-interleaved 8×8 layout of llama.cpp's AVX2 kernels) is on by default except on CPUs with AMX: with
-AMX repacking on, the first forward of the default models crashed (see /work/shared/MODELS.md).
+Weight repacking is on by default except on CPUs with AMX: with AMX repacking on, the first
+forward of the default models crashed (see /work/shared/MODELS.md).
 """
 
 from __future__ import annotations
@@ -28,9 +46,20 @@ import numpy as np
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.policies import MAX_DRAFT_LENGTH
 from quickdraft.runner import ForwardOutput
 
 _BACKEND_READY = False
+
+#: In exact mode, the most tokens one ``llama_decode`` call holds: blocks of up to this many tokens
+#: give each token bitwise the logits of 1-token decoding (8 or more take another matmul path).
+EXACT_CALL_TOKENS = 7
+#: In exact mode, blocks of more tokens than this (prefills) are decoded in one call each, as
+#: outside exact mode (the same prompt is prefilled the same way by every method); every
+#: verification block (at most ``MAX_DRAFT_LENGTH`` drafts plus one) is split.
+EXACT_SPLIT_MAX = MAX_DRAFT_LENGTH + 1
+#: ``ggml_type`` of the KV cache in exact mode (``GGML_TYPE_BF16``).
+_GGML_TYPE_BF16 = 30
 
 
 def import_llama_cpp():
@@ -104,19 +133,27 @@ class LlamaGGUF:
     repack:
         ``use_extra_bufts``: let llama.cpp repack weights for the CPU's extra buffer types;
         ``None`` (default): on unless the CPU has AMX (:func:`default_repack`).
+    exact:
+        Choose the kernels so that a token's logits do not depend on the block it is decoded in
+        (see the module docstring): no repacking, flash attention, BF16 KV cache, and
+        :meth:`decode` splits blocks of up to :data:`EXACT_SPLIT_MAX` tokens into calls of at most
+        :data:`EXACT_CALL_TOKENS`.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int = 2,
-                 n_batch: int = 512, repack: bool | None = None) -> None:
+                 n_batch: int = 512, repack: bool | None = None, exact: bool = False) -> None:
         self.lib = lib = import_llama_cpp()
         path = Path(path)
         if not path.is_file():
             raise QuickdraftError(f"no GGUF file at {path}")
+        if exact and repack:
+            raise QuickdraftError("exact mode needs repack off (repacked weights give block-size dependent logits)")
         _init_backend(lib)
+        self.exact = bool(exact)
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
         if hasattr(mparams, "use_extra_bufts"):
-            mparams.use_extra_bufts = default_repack() if repack is None else bool(repack)
+            mparams.use_extra_bufts = False if exact else (default_repack() if repack is None else bool(repack))
         self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise QuickdraftError(f"llama.cpp could not load {path}")
@@ -127,6 +164,9 @@ class LlamaGGUF:
         cparams.n_threads = int(n_threads)
         cparams.n_threads_batch = int(n_threads)
         cparams.n_seq_max = 1
+        if exact:
+            cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            cparams.type_k = cparams.type_v = _GGML_TYPE_BF16
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lib.llama_model_free(self.model)
@@ -138,12 +178,29 @@ class LlamaGGUF:
         self.vocab = lib.llama_model_get_vocab(self.model)
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
         self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self._split_logits: np.ndarray | None = None
 
     def decode(self, tokens: list[int], start_pos: int, want_logits: list[bool]) -> None:
-        """One ``llama_decode`` of ``tokens`` at positions ``start_pos, start_pos + 1, …`` of sequence 0."""
+        """Decode ``tokens`` at positions ``start_pos, start_pos + 1, …`` of sequence 0: one
+        ``llama_decode``, or in exact mode, for blocks of more than :data:`EXACT_CALL_TOKENS` and at
+        most :data:`EXACT_SPLIT_MAX` tokens, one call per :data:`EXACT_CALL_TOKENS` tokens."""
         n = len(tokens)
         if n > self.n_batch:
             raise QuickdraftError(f"llama.cpp batch of {n} tokens exceeds n_batch={self.n_batch}")
+        self._split_logits = None
+        if not (self.exact and EXACT_CALL_TOKENS < n <= EXACT_SPLIT_MAX):
+            self._decode_call(tokens, start_pos, want_logits)
+            return
+        parts = []
+        for i in range(0, n, EXACT_CALL_TOKENS):
+            want = want_logits[i:i + EXACT_CALL_TOKENS]
+            self._decode_call(tokens[i:i + EXACT_CALL_TOKENS], start_pos + i, want)
+            if any(want):
+                parts.append(self._read_logits(sum(want)))
+        self._split_logits = np.concatenate(parts) if parts else np.zeros((0, self.n_vocab), np.float32)
+
+    def _decode_call(self, tokens: list[int], start_pos: int, want_logits: list[bool]) -> None:
+        n = len(tokens)
         b = self.batch
         b.n_tokens = n
         for i, (tok, want) in enumerate(zip(tokens, want_logits)):
@@ -156,10 +213,17 @@ class LlamaGGUF:
         if code != 0:
             raise QuickdraftError(f"llama_decode failed with code {code} ({n} tokens at position {start_pos})")
 
-    def logits(self, rows: int) -> np.ndarray:
-        """``[rows, n_vocab]`` float32 copy of the logits the last decode produced."""
+    def _read_logits(self, rows: int) -> np.ndarray:
         ptr = self.lib.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).copy()
+
+    def logits(self, rows: int) -> np.ndarray:
+        """``[rows, n_vocab]`` float32 copy of the logits the last :meth:`decode` produced."""
+        if self._split_logits is not None:
+            if rows != len(self._split_logits):
+                raise QuickdraftError(f"the last decode produced {len(self._split_logits)} rows of logits, not {rows}")
+            return self._split_logits.copy()
+        return self._read_logits(rows)
 
     def remove_from(self, position: int) -> None:
         """Drop every cached token at a position ``>= position``."""
@@ -203,6 +267,9 @@ class LlamaCppRunner:
         the logits are cut.
     n_ctx, n_threads, n_batch, repack:
         See :class:`LlamaGGUF`.
+    exact:
+        Every token's logits bitwise those of 1-token decoding, whatever block it comes in (see
+        the module docstring and :class:`LlamaGGUF`).
     generation_config:
         Exposed as ``model.generation_config`` (for EOS ids), optional.
 
@@ -218,8 +285,9 @@ class LlamaCppRunner:
 
     def __init__(self, path: str | os.PathLike[str], name: str = "model", *, vocab_size: int | None = None,
                  n_ctx: int = 4096, n_threads: int = 2, n_batch: int = 512, repack: bool | None = None,
-                 generation_config=None) -> None:
-        self.gguf = LlamaGGUF(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, repack=repack)
+                 exact: bool = False, generation_config=None) -> None:
+        self.gguf = LlamaGGUF(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, repack=repack, exact=exact)
+        self.exact = bool(exact)
         self.name = name
         self.device = torch.device("cpu")
         self.vocab_size = int(vocab_size) if vocab_size else self.gguf.n_vocab
@@ -326,13 +394,21 @@ def gguf_path_for(spec: str | os.PathLike[str]) -> Path:
     return gguf
 
 
+def exact_from_env(name: str) -> bool:
+    """Whether :func:`load_llamacpp` loads ``name`` in exact mode when not told: for the model named
+    ``"target"`` when ``QUICKDRAFT_LLAMA_EXACT=1`` (a draft only proposes tokens, so its logits
+    need no exactness and it keeps the faster kernels)."""
+    return name == "target" and os.environ.get("QUICKDRAFT_LLAMA_EXACT", "") == "1"
+
+
 def load_llamacpp(spec: str | os.PathLike[str], name: str, *, vocab_size: int | None = None,
-                  n_ctx: int = 4096, n_threads: int | None = None):
+                  n_ctx: int = 4096, n_threads: int | None = None, exact: bool | None = None):
     """``(LlamaCppRunner, tokenizer)`` for a registry name, alias, cache directory or GGUF file.
 
     The tokenizer is the Hugging Face one of the cache entry (or read from the GGUF), so token ids
     match the torch backend's. ``vocab_size`` defaults to the entry's ``config.json`` value, so the
-    logits have the same width as on the torch backend.
+    logits have the same width as on the torch backend. ``exact`` (see :class:`LlamaCppRunner`)
+    defaults to :func:`exact_from_env`.
     """
     import json
 
@@ -351,6 +427,6 @@ def load_llamacpp(spec: str | os.PathLike[str], name: str, *, vocab_size: int | 
         vocab_size = int(json.loads((entry / "config.json").read_text()).get("vocab_size") or 0) or None
     runner = LlamaCppRunner(
         gguf, name, vocab_size=vocab_size, n_ctx=n_ctx, n_threads=n_threads or max(1, torch.get_num_threads()),
-        generation_config=generation_config,
+        exact=exact_from_env(name) if exact is None else bool(exact), generation_config=generation_config,
     )
     return runner, tokenizer

@@ -46,7 +46,7 @@ MODEL_XML = "openvino_model.xml"
 EXPORT_MANIFEST = "openvino_export.json"
 
 #: per layout, bumped when the graph's interface changes, so that stale exports are rebuilt
-GRAPH_VERSIONS = {"engine": 2, "genai": 2}
+GRAPH_VERSIONS = {"engine": 3, "genai": 2}
 
 
 def _check_format(weight_format: str) -> None:
@@ -306,6 +306,9 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
     model = _load_float32(model_dir)
     ov_model = trace_decoder(model, layout)
     config = model.config
+    from quickdraft.head import model_fingerprint
+
+    fingerprint = model_fingerprint(model)  # checked against an acceptance head's draft
     del model
     gc.collect()
     add_beam_idx(ov_model)
@@ -327,6 +330,7 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
         "weight_format": weight_format,
         "source": str(model_dir),
         "num_layers": int(config.num_hidden_layers),
+        "fingerprint": fingerprint,
         "vocab_size": int(config.vocab_size),
         "bin_size": (tmp / "openvino_model.bin").stat().st_size,
         "seconds": round(time.perf_counter() - t0, 1),

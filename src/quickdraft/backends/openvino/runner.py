@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,8 +94,13 @@ def core():
     return _CORE
 
 
+#: CPU plugin settings under which a forward's arithmetic does not depend on how many tokens it
+#: holds: float32 activations and KV cache, activations not quantised on the fly
+EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+
+
 def compile_config(n_threads: int, kv_cache_precision: str | None = None,
-                   inference_precision: str | None = None) -> dict:
+                   inference_precision: str | None = None, exact: bool = False) -> dict:
     """CPU plugin settings: one stream, ``n_threads`` inference threads, latency hint; the KV cache
     precision (``f32``, ``f16``, ``u8``) and the activations' precision (``f32``, ``bf16``, ``f16``)
     are the plugin's defaults unless given (``bf16`` activations on CPUs with native bf16)."""
@@ -103,6 +109,8 @@ def compile_config(n_threads: int, kv_cache_precision: str | None = None,
         config["KV_CACHE_PRECISION"] = kv_cache_precision
     if inference_precision:
         config["INFERENCE_PRECISION_HINT"] = inference_precision
+    if exact:
+        config.update(EXACT_CONFIG)
     return config
 
 
@@ -122,6 +130,13 @@ class OpenVINORunner:
     inference_precision:
         Precision of the activations: ``f32``, ``bf16`` or ``f16`` (default: the plugin's choice,
         ``bf16`` where the CPU has native bf16 instructions, else ``f32``).
+    exact:
+        Batch-invariant arithmetic (:data:`EXACT_CONFIG`). By default the plugin quantises the
+        activations of int8/int4 layers to int8 on the fly, in bf16 where the CPU has it, and
+        keeps the KV cache in u8: a forward over K+1 tokens then computes other logits than K+1
+        one-token forwards, and greedy speculative output can leave plain greedy output where
+        two tokens are close. With ``exact`` the two agree token for token, and verifying a
+        block costs more (about 2.5x a one-token forward for 5 tokens instead of about 1.1x).
     vocab_size:
         Width of the returned logits (default: the config's ``vocab_size``).
 
@@ -133,15 +148,19 @@ class OpenVINORunner:
         ``[B, L]`` int64 position of the token in each cache slot, ``-1`` for a hole.
     num_forwards:
         Inference calls made through :meth:`forward` / :meth:`forward_tree`.
+    infer_seconds:
+        Wall time spent inside those calls (the runtime's share of a generation; the rest of a
+        step is the engine's).
     model:
-        A stand-in with ``config`` (the Hugging Face config) and ``generation_config``.
+        A stand-in with ``config`` (the Hugging Face config), ``generation_config`` and
+        ``fingerprint`` (:func:`quickdraft.head.model_fingerprint` of the exported weights).
     """
 
     #: compaction waits until at least this many slots are holes
     compact_min_holes = 256
 
     def __init__(self, path: str | os.PathLike[str], name: str = "model", *, n_threads: int | None = None,
-                 kv_cache_precision: str | None = None, inference_precision: str | None = None,
+                 kv_cache_precision: str | None = None, inference_precision: str | None = None, exact: bool = False,
                  vocab_size: int | None = None) -> None:
         from transformers import AutoConfig, GenerationConfig
 
@@ -158,11 +177,13 @@ class OpenVINORunner:
             generation_config = GenerationConfig.from_pretrained(path)
         self.vocab_size = int(vocab_size or config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
-        self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path))
         manifest = path / EXPORT_MANIFEST
         self.export_info = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        # the fingerprint of the exported weights (quickdraft.head.model_fingerprint), for head checks
+        self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path),
+                                     fingerprint=self.export_info.get("fingerprint"))
         threads = n_threads or max(1, torch.get_num_threads())
-        self.compiled = core().compile_model(str(path / MODEL_XML), "CPU", compile_config(threads, kv_cache_precision, inference_precision))
+        self.compiled = core().compile_model(str(path / MODEL_XML), "CPU", compile_config(threads, kv_cache_precision, inference_precision, exact))
         self.request = self.compiled.create_infer_request()
         self._states = list(self.request.query_state())
         if not self._states:
@@ -172,6 +193,7 @@ class OpenVINORunner:
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         self._kv = (kv_heads, head_dim)
         self.num_forwards = 0
+        self.infer_seconds = 0.0
         self.reset(0)
 
     # -- state -----------------------------------------------------------------------------------
@@ -213,7 +235,9 @@ class OpenVINORunner:
             "logits_index": np.arange(m - keep, m, dtype=np.int64),
             "beam_idx": np.arange(tokens.shape[0], dtype=np.int32),  # rows stay in place
         }
+        start = time.perf_counter()
         self.request.infer(feed)
+        self.infer_seconds += time.perf_counter() - start
         self.num_forwards += 1
         logits = torch.from_numpy(np.array(self.request.get_tensor("logits").data, copy=True))  # [B, keep, V']
         if logits.shape[-1] != self.vocab_size:

@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# llama-cpp-python for the llama.cpp backend's tests (tests/test_llamacpp.py fails under CI without it);
+# pip caches the wheel it builds, so only the first run compiles llama.cpp (~5 min).
+python -m pip install -q -e ".[llamacpp]"
 exec python -m pytest -q -ra "$@"

@@ -26,7 +26,7 @@ from llama.cpp's own (whole prompt in one call). ``exact=True`` turns the three 
 repacking, flash attention on, a BF16 KV cache (no split-KV kernel), and blocks of up to
 :data:`EXACT_SPLIT_MAX` tokens (every verification block) decoded in calls of at most
 :data:`EXACT_CALL_TOKENS` tokens. Then every token's logits are bitwise those of 1-token decoding
-and greedy speculative output equals plain greedy output, at about 1.2x the time per forward on
+and greedy speculative output equals plain greedy output, at 1.2-1.4x the time per forward on
 the machine measured (README, benchmarks/bench_llamacpp_exactness.py).
 
 Batch size 1 only (``reset(B)`` with ``B > 1`` raises); trees would use more sequence ids.

@@ -359,7 +359,7 @@ def test_real_pair_greedy_speculative_equals_plain_on_openvino_exact():
 def test_exact_is_an_openvino_setting():
     from quickdraft.pipeline import Pipeline
 
-    with pytest.raises(QuickdraftError, match="exact applies to the openvino backend"):
+    with pytest.raises(QuickdraftError, match="exact applies to the openvino and llamacpp backends"):
         Pipeline.from_specs("target", "draft", backend="torch", exact=True)
 
 

@@ -63,8 +63,8 @@ def generate(
     quantize_draft: Optional[str] = typer.Option(
         None, help="Override --quantize for the draft alone (e.g. int4: lossless methods stay exact)."),
     exact: bool = typer.Option(
-        False, "--exact", help="openvino: batch-invariant arithmetic (f32, no on-the-fly int8 activations), so greedy "
-        "speculative output equals plain greedy output token for token; verification costs more."),
+        False, "--exact", help="openvino, llamacpp: batch-invariant kernels, so greedy speculative output equals plain "
+        "greedy output token for token; verification costs more."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string, non-empty (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
     divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),

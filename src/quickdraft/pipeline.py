@@ -98,8 +98,8 @@ class Pipeline:
         ``None``: where that is the fast path — fp32 on a CPU without native bf16), so that a
         verification forward over K + 1 tokens costs about as much as a one-token forward.
         ``draft_dtype`` (``auto``, ``bfloat16``, ``float32``; default ``None``: as ``dtype``) is the
-        draft's dtype (:func:`quickdraft.models.resolve_draft_dtype`). ``exact`` (openvino only) runs
-        both models with batch-invariant arithmetic, so that greedy speculative output equals plain
+        draft's dtype (:func:`quickdraft.models.resolve_draft_dtype`). ``exact`` (openvino, llamacpp) runs
+        the models with batch-invariant arithmetic, so that greedy speculative output equals plain
         greedy output token for token (:class:`quickdraft.backends.openvino.OpenVINORunner`).
         """
         from quickdraft.backends import BACKEND_NAMES, resolve_backend
@@ -118,14 +118,13 @@ class Pipeline:
         quantize_draft = resolve_quantize(backend, quantize_draft)
         if backend == "openvino":
             return cls._from_openvino(target, draft, quantize, quantize_draft, exact)
-        if exact:
-            raise QuickdraftError("exact applies to the openvino backend (its default arithmetic depends on the block size)")
         if backend == "llamacpp":
             if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
             from quickdraft.backends.llamacpp import load_llamacpp
 
-            target_runner, tokenizer = load_llamacpp(target, "target")
+            # exact: the target's verification on batch-invariant kernels (the draft only proposes)
+            target_runner, tokenizer = load_llamacpp(target, "target", exact=True if exact else None)
             draft_runner = None
             if draft is not None:
                 draft_runner, draft_tokenizer = load_llamacpp(draft, "draft")
@@ -134,6 +133,9 @@ class Pipeline:
                 target_runner.model, tokenizer, draft_runner.model if draft_runner else None,
                 target_runner=target_runner, draft_runner=draft_runner,
             )
+        if exact:
+            raise QuickdraftError("exact applies to the openvino and llamacpp backends (whose default kernels depend on "
+                                  "the block size)")
         target_model, tokenizer = load_model(target, dtype=dtype)
         draft_model = None
         if draft is not None:

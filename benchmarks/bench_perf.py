@@ -288,8 +288,12 @@ def run(args: argparse.Namespace) -> dict:
                 res = openvino_genai_generate(pipe.plain, ids, sampling=sampling, max_new_tokens=max_new,
                                               eos_token_ids=eos, seed=seed)
             else:
-                res = openvino_genai_generate(pipe.speculative, ids, sampling=sampling, max_new_tokens=max_new,
-                                              eos_token_ids=eos, seed=seed, num_assistant_tokens=k or args.k)
+                try:
+                    res = openvino_genai_generate(pipe.speculative, ids, sampling=sampling, max_new_tokens=max_new,
+                                                  eos_token_ids=eos, seed=seed, num_assistant_tokens=k or args.k)
+                except RuntimeError as err:  # recorded, and left out of this config's rate
+                    return {"error": str(err).strip().splitlines()[-1][:300], "new_tokens": 0, "seconds": 0.0,
+                            "new_ids": []}
             return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
         runners = [r for r in (pipe.target, pipe.draft) if hasattr(r, "infer_seconds")]
         infer_before = sum(r.infer_seconds for r in runners)
@@ -326,7 +330,8 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(r)
                 if args.out:  # a partial file after every row: a cut-off run still leaves its data
                     Path(args.out).with_suffix(".partial.json").write_text(json.dumps({**result, "rows": rows}))
-                print(f"T={temperature} {problems[i].id} {config:16s} {r['new_tokens'] / r['seconds']:6.2f} tok/s", flush=True)
+                rate = f"{r['new_tokens'] / r['seconds']:6.2f} tok/s" if "error" not in r else f"error: {r['error']}"
+                print(f"T={temperature} {problems[i].id} {config:16s} {rate}", flush=True)
     result["summary"] = summarize(rows, args.configs, args.temperatures)
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["memory_status"] = _memory_status()  # RssFile: mmapped weight files (page cache, shared)
@@ -360,15 +365,23 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
         rows_t = [r for r in at_t if r["prompt"] in complete]
 
         def tps(config: str) -> float:
-            sel = [r for r in rows_t if r["config"] == config]
-            return sum(r["new_tokens"] for r in sel) / sum(r["seconds"] for r in sel)
+            sel = [r for r in rows_t if r["config"] == config and "error" not in r]
+            seconds = sum(r["seconds"] for r in sel)
+            return sum(r["new_tokens"] for r in sel) / seconds if seconds else float("nan")
 
         anchor = tps("llamacpp-anchor") if "llamacpp-anchor" in configs else None
         genai_sd = [c for c in configs if c.startswith("ovgenai-") and parse_config(c)[1] == "sd"]
         for config in configs:
-            sel = [r for r in rows_t if r["config"] == config]
+            failed = [r for r in rows_t if r["config"] == config and "error" in r]
+            sel = [r for r in rows_t if r["config"] == config and "error" not in r]
+            if not sel:
+                summary[f"{config}@{dataset}@T={temperature}" if dataset else f"{config}@T={temperature}"] = {
+                    "tokens_per_second": float("nan"), "new_tokens": 0, "prompts": 0, "errors": len(failed)}
+                continue
             entry = {"tokens_per_second": tps(config), "new_tokens": sum(r["new_tokens"] for r in sel),
-                     "prompts": len(complete)}
+                     "prompts": len(sel)}
+            if failed:  # its rate is over fewer prompts than the others'
+                entry["errors"] = len(failed)
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
             if sel and all("engine_seconds" in r for r in sel):  # the engine's share of the time

@@ -58,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="target")
     p.add_argument("--draft", default="draft")
+    p.add_argument("--backend", default="torch", help="the server's --backend (torch, openvino, auto, llamacpp)")
     p.add_argument("--tiny", action="store_true", help="serve tiny random models (a smoke run of the harness)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=16, help="requests per row (at least one per client)")
@@ -317,7 +318,7 @@ def main() -> None:
                 "--concurrency", str(max(args.concurrency))]
     else:
         argv = [sys.executable, "-m", "quickdraft.cli", "serve", "--target", target, "--draft", draft,
-                "--port", str(port), "--model-name", "bench", "--k", str(args.k),
+                "--port", str(port), "--model-name", "bench", "--k", str(args.k), "--backend", args.backend,
                 "--max-batch", str(max(args.concurrency)), "--log-level", "warning"]
     record["server_command"] = " ".join(shlex.quote(a) for a in argv)
     print(f"starting: {record['server_command']}", flush=True)

@@ -145,8 +145,7 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         from quickdraft.backends.openvino.runner import yield_cores_to_openvino
 
         if (role, weights) not in runners:
-            runners[role, weights] = load_openvino(role, role, weight_format=weights_format_check(weights),
-                                                   n_threads=yield_cores_to_openvino())
+            runners[role, weights] = load_openvino(role, role, weight_format=weights, n_threads=yield_cores_to_openvino())
         return runners[role, weights]
 
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("openvino-")}):
@@ -165,14 +164,6 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
     return pipes
 
 
-def weights_format_check(weights: str) -> str:
-    from quickdraft.backends.openvino import WEIGHT_FORMATS
-
-    if weights not in WEIGHT_FORMATS:
-        raise SystemExit(f"unknown OpenVINO weights {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
-    return weights
-
-
 class GenAIPipelines:
     """OpenVINO GenAI's ``LLMPipeline`` over GenAI-layout exports of the target (plain decoding) and
     of target + draft (its speculative decoding); ``target`` / ``draft`` are the export directories."""
@@ -185,16 +176,10 @@ def genai_pipelines(weights: str, speculative: bool) -> GenAIPipelines:
     """GenAI-layout exports (made once into the cache entries, from the same float32 weights and the
     same NNCF compression as the engine-layout exports) and GenAI pipelines over them."""
     from quickdraft.anchors import openvino_genai_pipeline
-    from quickdraft.backends.openvino.export import export, export_dir_name, is_exported
-    from quickdraft.models import resolve
-
-    dirs = []
-    for role in ("target", "draft"):
-        out = resolve(role) / export_dir_name(weights, "genai")
-        if not is_exported(out):
-            export(resolve(role), out, weights, layout="genai")
-        dirs.append(out)
+    from quickdraft.backends.openvino import export_for
     from quickdraft.backends.openvino.runner import openvino_threads
+
+    dirs = [export_for(role, weights, layout="genai") for role in ("target", "draft")]
 
     plain = openvino_genai_pipeline(dirs[0], n_threads=openvino_threads())
     spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=openvino_threads()) if speculative else None
@@ -247,10 +232,12 @@ def run(args: argparse.Namespace) -> dict:
     }
     for key, p in pipes.items():
         if key.startswith("openvino"):
-            result["weights"][key] = {role: {"held": _export_bytes(r.path), "read_per_forward": _export_bytes(r.path)}
+            result["weights"][key] = {role: {"held": _export_bytes(r.path), "read_per_forward": _export_bytes(r.path),
+                                             "path": str(r.path)}
                                       for role, r in (("target", p.target), ("draft", p.draft))}
         elif key.startswith("ovgenai"):
-            result["weights"][key] = {role: {"held": _export_bytes(d), "read_per_forward": _export_bytes(d)}
+            result["weights"][key] = {role: {"held": _export_bytes(d), "read_per_forward": _export_bytes(d),
+                                             "path": str(d)}
                                       for role, d in (("target", p.target), ("draft", p.draft))}
     if "llamacpp" in pipes:
         p = pipes["llamacpp"]
@@ -336,10 +323,11 @@ def run(args: argparse.Namespace) -> dict:
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["memory_status"] = _memory_status()  # RssFile: mmapped weight files (page cache, shared)
     unique = {id(m): m for key, p in pipes.items() if key.startswith("torch") for m in (p.target_model, p.draft_model)}
-    held = sum(weight_bytes(m)["held"] for m in unique.values()) + sum(
-        w["held"] for key, ws in result["weights"].items() if not key.startswith("torch") for w in ws.values())
+    files = {w.get("path", f"{key}/{role}"): w["held"]  # a file shared by several keys counts once
+             for key, ws in result["weights"].items() if not key.startswith("torch") for role, w in ws.items()}
+    held = sum(weight_bytes(m)["held"] for m in unique.values()) + sum(files.values())
     result["weights_held_bytes"] = held
-    if result["memory_status"].get("VmHWM"):  # one config per process makes this the issue's ratio
+    if result["memory_status"].get("VmHWM"):  # one config per process makes this the target ratio
         result["peak_rss_over_weights"] = result["memory_status"]["VmHWM"] / held
     result["loadavg_end"] = list(_loadavg())
     result.update(max_new_tokens=args.max_new_tokens, k=args.k, prompts=[p.id for p in problems], rows=rows)

@@ -66,6 +66,16 @@ def test_compile_paths_gives_parents_depths_mask_and_retrieve_indices():
     assert torch.equal(t.mask, expected)
 
 
+def test_the_module_doctests_pass():
+    """The worked examples in quickdraft.tree's docstrings are run, not just read."""
+    import doctest
+
+    import quickdraft.tree
+
+    result = doctest.testmod(quickdraft.tree, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result
+
+
 @pytest.mark.parametrize("paths, message", [
     ([], "at least one path"), ([[0, 0]], "no parent"), ([[0], [2]], "skips rank"), ([[0], [0]], "duplicate"),
     ([[0], [-1]], "child ranks"),

@@ -16,7 +16,7 @@ list per leaf)::
     paths  [[0], [1], [0, 0]]  ->  nodes  0:root  1:[0]  2:[1]  3:[0,0]
     parents   [-1, 0, 0, 1]        depths [0, 1, 1, 2]
     mask      root [1 0 0 0]   [0] [1 1 0 0]   [1] [1 0 1 0]   [0,0] [1 1 0 1]
-    retrieve  [[0, 1, 3], [0, 2, -1]]
+    retrieve  [[0, 2, -1], [0, 1, 3]]      (one row per leaf, leaves in node order)
 
 Dynamic trees (EAGLE-2, Li et al. 2024, arXiv:2406.16858, §4)
 --------------------------------------------------------------
@@ -143,7 +143,7 @@ def compile_paths(paths: list[list[int]] | list[tuple[int, ...]]) -> CompiledTre
 
     >>> t = compile_paths([[0], [1], [0, 0]])
     >>> t.parents.tolist(), t.depths.tolist(), t.retrieve_indices.tolist()
-    ([-1, 0, 0, 1], [0, 1, 1, 2], [[0, 1, 3], [0, 2, -1]])
+    ([-1, 0, 0, 1], [0, 1, 1, 2], [[0, 2, -1], [0, 1, 3]])
     """
     if not paths:
         raise QuickdraftError("a tree needs at least one path")

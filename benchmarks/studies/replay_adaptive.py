@@ -215,7 +215,7 @@ def main() -> None:
     print(f"per-step overhead fitted on the measured fixed-K runs: {overhead * 1000:.1f} ms", flush=True)
 
     result = {
-        "meta": {"script": "benchmarks/replay_adaptive.py", "command": "python " + " ".join(sys.argv),
+        "meta": {"script": "benchmarks/studies/replay_adaptive.py", "command": "python " + " ".join(sys.argv),
                  "args": vars(args), "torch": torch.__version__, "dtype": "float32",
                  "step_cost": {"target_by_tokens": list(cost.target), "draft": cost.draft,
                                "overhead_per_step": overhead, "overhead_fit_before_clipping": raw_overhead,

@@ -8,7 +8,7 @@ metadata take the draft's fingerprint from ``--fingerprint-from`` (a head file m
 draft), the draft/target cost ratio from ``--draft-cost`` (measured at the start of the
 ``train-head`` run that built the batches).
 
-    python benchmarks/train_head_from_cache.py --draft-cost 0.12 --holdout 0.4 \\
+    python benchmarks/studies/train_head_from_cache.py --draft-cost 0.12 --holdout 0.4 \\
         --report benchmarks/results/adaptive_head_training.json --plot docs/specdecpp_reliability.png
 """
 

@@ -7,7 +7,7 @@ MKL — before; ``torch-fp32``: the same with oneDNN packed linear layers — af
 GGUF pair on llama.cpp). "Other" is the rest of the decode time: sampling,
 verification, KV truncation and Python. Prefill is excluded (it is timed apart by the engine).
 
-    python benchmarks/profile_step.py --limit 2 --max-new-tokens 96 --weights torch-fp32mkl torch-fp32 llamacpp \
+    python benchmarks/studies/profile_step.py --limit 2 --max-new-tokens 96 --weights torch-fp32mkl torch-fp32 llamacpp \
         --out benchmarks/results/profile_step.json
 """
 
@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_tree import ForwardClock  # the same forward timers as the tree benchmark (same folder)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmark programs, one folder up
+from bench_tree import ForwardClock  # noqa: E402  (the same forward timers as the tree benchmark)
 
 from quickdraft.datasets import load_humaneval
 from quickdraft.policies import Constant
@@ -71,7 +73,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/profile_step.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from bench_perf import load_pipelines  # the same model loading as the benchmark (same folder)
+    from bench_perf import load_pipelines  # the same model loading as the benchmark
 
     rows = []
     for weights in args.weights:  # one configuration at a time: memory holds one pair
@@ -79,7 +81,7 @@ def main() -> None:
         prompts = [pipe.encode_messages(p.messages) for p in load_humaneval()[: args.limit]]
         rows += profile(weights, prompts, pipe, args.k, args.max_new_tokens)
         del pipe
-    result = {"command": "python benchmarks/profile_step.py " + " ".join(sys.argv[1:]), "rows": rows,
+    result = {"command": "python benchmarks/studies/profile_step.py " + " ".join(sys.argv[1:]), "rows": rows,
               "threads": args.threads, "note": "prefill excluded; 'other' = decode time outside both models' forwards"}
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -180,8 +180,8 @@ def main() -> None:
         "configs": names,
         "configs_by_temperature": {f"{t:g}": [c for c, _ in configs[t]] for t in args.temperatures},
         "note": "B = 1, every configuration on every prompt, interleaved prompt by prompt with rotating "
-                "configuration order, one process, after warm-up; run under flock /tmp/qd/heavy.lock (no other "
-                "heavy job at the same time), tokens/s = new tokens / decode seconds (prefill excluded)",
+                "configuration order, one process, after warm-up; run with no other "
+                "heavy job on the machine, tokens/s = new tokens / decode seconds (prefill excluded)",
         "blocks_completed": 0, "complete": False,
     }
     t_start = time.perf_counter()

@@ -13,8 +13,7 @@ The LP reference (``optimal_acceptance_lp``) is timed for every sampling method 
 vocabularies until one solve takes longer than ``--lp-budget`` seconds or the LP would exceed its size
 limit; the largest V solved is recorded (``lp_largest``).
 
-Run it under the shared lock so that no model job competes for the two cores:
-``flock /tmp/qd/heavy.lock python benchmarks/bench_theory.py``.
+Run it alone on the machine, so that no model job competes for the cores.
 """
 
 from __future__ import annotations

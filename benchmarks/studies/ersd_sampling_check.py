@@ -15,7 +15,7 @@ greedy path, not about the draft. For each prompt this script
 5. runs the real ERSD (chain, K = 4, draft model) for a few seeds and checks that it forks exactly
    where step 4 predicts (a bf16 near-tie can move a fork; the result says so when it happens).
 
-    flock /tmp/qd/heavy.lock python benchmarks/studies/ersd_sampling_check.py --limit 2 --max-new-tokens 64 \\
+    python benchmarks/studies/ersd_sampling_check.py --limit 2 --max-new-tokens 64 \\
         --out benchmarks/results/ersd_sampling_check.json
 """
 
@@ -132,7 +132,7 @@ def main() -> None:
     prompts = load_dataset(args.dataset, args.limit)
     results = []
     for i, prompt in enumerate(prompts):
-        harness = {"old harness seed (seed + index)": i, "harness seed (prompt_seed)": prompt_seed(0, prompt.id)}
+        harness = {"seed + index": i, "harness seed (prompt_seed)": prompt_seed(0, prompt.id)}
         results.append(check_prompt(pipe, prompt, args, sampling, harness))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "lowest_p_greedy"}, indent=1))
     payload = {

@@ -53,7 +53,7 @@ def main() -> None:
         if sorted(data["by_temperature"], key=float) != temps:
             sys.exit(f"{f} holds label temperatures {sorted(data['by_temperature'])}, {files[0]} holds {temps}: "
                      "give a --cache directory with batches of one train-head setting only")
-    old = load_head(args.fingerprint_from)
+    reference = load_head(args.fingerprint_from)
     cfg = TrainConfig(holdout=args.holdout, num_layers=args.num_layers, epochs=args.epochs)
     results = {}
     for t in temps:
@@ -68,8 +68,8 @@ def main() -> None:
         digest = hashlib.sha256()
         for f in files:
             digest.update(Path(f).read_bytes())
-        meta = HeadMetadata(draft=old.metadata.draft, target=old.metadata.target,
-                            draft_fingerprint=old.metadata.draft_fingerprint, data_hash=digest.hexdigest(),
+        meta = HeadMetadata(draft=reference.metadata.draft, target=reference.metadata.target,
+                            draft_fingerprint=reference.metadata.draft_fingerprint, data_hash=digest.hexdigest(),
                             temperature=float(t))
         head, report = train_head(ex, replace(cfg, temperature=float(t)), meta, draft_cost=args.draft_cost)
         report.update(config=asdict(replace(cfg, temperature=float(t))), target=meta.target, draft=meta.draft,

@@ -276,7 +276,7 @@ class BenchConfig:
     sandbox_workers:
         Concurrent sandboxes for HumanEval checks.
     title, description:
-        Free text for reports and the README.
+        Free text for reports and the benchmarks page.
     """
 
     entries: list[Entry]
@@ -436,8 +436,9 @@ def prompt_seed(seed: int, prompt_id: str) -> int:
 
 
 def _check_seeds(records: list[dict[str, Any]], seed: int) -> None:
-    """Refuse to resume a run whose cached sampled cells used other seeds (e.g. the former
-    ``seed + index`` scheme): their draws would not be comparable with the new cells'."""
+    """Refuse to resume a run whose cached sampled cells used other seeds than
+    :func:`prompt_seed` gives (e.g. ``seed + index``): their draws would not be comparable with
+    the cells run now."""
     for r in records:
         if r.get("temperature", 0) > 0 and r.get("seed") != prompt_seed(seed, r["prompt_id"]):
             raise QuickdraftError(
@@ -695,8 +696,8 @@ def _now() -> str:
 
 def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None,
                  draft_dtype: str | None = None, backend: str = "torch") -> dict:
-    """The models of a run as recorded in ``run.json``: quantisation only when used, so that runs
-    made before it existed still resume; ``draft_dtype`` is the dtype the draft was loaded in."""
+    """The models of a run as recorded in ``run.json``: quantisation only when used, so that a run
+    directory without these keys still resumes; ``draft_dtype`` is the dtype the draft was loaded in."""
     meta: dict[str, Any] = {"target": target, "draft": draft, "dtype": dtype}
     if backend != "torch":
         meta["backend"] = backend

@@ -18,7 +18,7 @@ whose ``[ResBlock(H)] * L`` repeats one block, every layer has its own weights.
 entropy, ``log`` top probability and ``log q_i(y_i)`` of the draft's temperature-1 distribution
 ``q_i`` that drew ``y_i``), standardised by the training set's ``μ_s, σ_s``. On held-out data these
 four numbers predict acceptance better than the hidden state alone, so the head reads both. A head
-with ``num_stats = 0`` (the default, and every head saved before the term existed) is the paper's
+with ``num_stats = 0`` (the default, and every head file without ``num_stats``) is the paper's
 head, without the ``v`` term.
 
 A head file (``torch.save`` of plain tensors and strings, loaded with ``weights_only=True``) holds
@@ -161,7 +161,7 @@ class AcceptanceHead(nn.Module):
         self.register_buffer("feature_std", torch.ones(hidden_size))
         self.blocks = nn.Sequential(*[ResidualBlock(hidden_size) for _ in range(num_layers)])
         self.out = nn.Linear(hidden_size, 1)
-        if self.num_stats:  # absent otherwise: the state dict of a num_stats = 0 head is the old one
+        if self.num_stats:  # absent otherwise: a num_stats = 0 head's state dict is the paper's head's
             self.register_buffer("stats_mean", torch.zeros(self.num_stats))
             self.register_buffer("stats_std", torch.ones(self.num_stats))
             self.stats_out = nn.Linear(self.num_stats, 1, bias=False)
@@ -269,8 +269,8 @@ def save_head(head: AcceptanceHead, path: str | Path) -> Path:
 
 
 def load_head(path: str | Path, draft_name: str | None = None) -> AcceptanceHead:
-    """Load a head saved by :func:`save_head` (a file without ``num_stats``, written before the
-    confidence inputs existed, is a head with ``num_stats = 0``).
+    """Load a head saved by :func:`save_head` (a file without ``num_stats`` is a head
+    with ``num_stats = 0``, the paper's head without confidence inputs).
 
     Parameters
     ----------

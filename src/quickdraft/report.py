@@ -1,10 +1,11 @@
-"""Reports of benchmark runs: summary CSV/JSON, a markdown table, PNG plots, the README section.
+"""Reports of benchmark runs: summary CSV/JSON, a markdown table, PNG plots, the results section of
+the benchmarks page (``docs/benchmarks.md``).
 
 Everything here is computed from the raw per-cell records that :mod:`quickdraft.bench` writes
 (``DIR/raw/T*/<method>/<prompt>.json``) plus ``DIR/run.json``, so committed results can be
 re-reported at any time without a model::
 
-    python -m quickdraft.report benchmarks/results/bench/*/ --readme README.md
+    python -m quickdraft.report benchmarks/results/bench/*/ --readme docs/benchmarks.md
 
 Definitions (terms as in :mod:`quickdraft.verify`)
 --------------------------------------------------

@@ -27,12 +27,12 @@ repacking, flash attention on, a BF16 KV cache (no split-KV kernel), and blocks 
 :data:`EXACT_SPLIT_MAX` tokens (every verification block) decoded in calls of at most
 :data:`EXACT_CALL_TOKENS` tokens. Then every token's logits are bitwise those of 1-token decoding
 and greedy speculative output equals plain greedy output, at 1.2-1.4x the time per forward on
-the machine measured (README, benchmarks/bench_llamacpp_exactness.py).
+the machine measured (docs/backends.md, benchmarks/bench_llamacpp_exactness.py).
 
 Batch size 1 only (``reset(B)`` with ``B > 1`` raises); trees would use more sequence ids.
 
 Weight repacking is on by default except on CPUs with AMX: with AMX repacking on, the first
-forward of the default models crashed (see /work/shared/MODELS.md).
+forward of the default models crashes.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def import_llama_cpp():
 
 def default_repack() -> bool:
     """Whether to let llama.cpp repack weights (``use_extra_bufts``) by default: yes, unless the CPU
-    has AMX, where the repacked first forward crashed on the default models."""
+    has AMX, where the repacked first forward crashes on the default models."""
     from quickdraft.models import cpu_flags
 
     return not any(flag.startswith("amx") for flag in cpu_flags())

@@ -6,6 +6,9 @@ through ``rule.propose`` and :func:`quickdraft.verify.verify_chain` with K = 2, 
 compare the first output token and the (first, second) pair with the target's distributions by a
 chi-square test (cells with expected count < 5 pooled). Seeds are fixed, so each test is
 deterministic; the bound is a real p-value (> 1e-4) and a negative control must fall below 1e-6.
+The negative controls are the gross bug (accept every draft) and realistic ones: a residual built
+from the wrong position's draft distribution, one uniform reused at two positions, and
+verification against the target at another temperature than the one sampled at.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from quickdraft.rules import (
     residual,
     typical_threshold,
 )
-from quickdraft.sampling import SamplingParams, logits_to_probs
+from quickdraft.sampling import SamplingParams, logits_to_probs, sample
 from quickdraft.verify import verify_chain
 
 N_SAMPLES = 100_000
@@ -124,7 +127,10 @@ def markov_pair(kind: str, seed: int = 0, v: int = 100) -> tuple[MarkovLM, Marko
 
 
 def spec_step(rule, target, draft, prev, k, gen, positions, row_ids):
-    """One speculative step of K drafted tokens after ``prev`` ([B] or None); returns Verification."""
+    """One speculative step of K drafted tokens after ``prev`` ([B] or None); returns Verification.
+
+    ``target`` is the model whose distributions the verifier is handed (the goodness-of-fit tests
+    compare the output with the true target, which a negative control may replace here)."""
     b = row_ids.shape[0]
     ctx = VerifyContext(generator=gen, positions=positions, extra={"row_ids": row_ids})
     ids, draft_probs, target_probs = [], [], [target.dist(prev, b)]
@@ -165,9 +171,10 @@ def generate_two(rule, target, draft, n=N_SAMPLES, k=K, seed=0, chunk=5000):
     return torch.cat(y1s).numpy(), torch.cat(y2s).numpy()
 
 
-def gof(rule, target, draft, **kw) -> tuple[float, float]:
-    """p-values of the first token and of the (first, second) pair against the target."""
-    y1, y2 = generate_two(rule, target, draft, **kw)
+def gof(rule, target, draft, verified=None, **kw) -> tuple[float, float]:
+    """p-values of the first token and of the (first, second) pair against ``target``; the
+    verifier is handed ``verified``'s distributions (default: ``target``'s)."""
+    y1, y2 = generate_two(rule, target if verified is None else verified, draft, **kw)
     v = target.first.shape[0]
     return chi2_pvalue(y1, target.first.double().numpy()), chi2_pvalue(y1 * v + y2, target.joint())
 
@@ -177,6 +184,41 @@ class AlwaysAccept(Lossless):
 
     def accept(self, draft_ids, draft_probs, target_probs, ctx):
         return torch.ones_like(draft_ids, dtype=torch.bool), None
+
+
+class OffByOneResidual(Lossless):
+    """Negative control: the recovered token comes from a residual built with the draft
+    distribution of the wrong position, norm(max(0, p_i − q_{i+1})) (the last position takes
+    q_{i−1}): an indexing slip that leaves acceptance itself correct."""
+
+    def accept(self, draft_ids, draft_probs, target_probs, ctx):
+        ctx.extra["all_draft_probs"] = draft_probs  # [B, K, V]
+        return super().accept(draft_ids, draft_probs, target_probs, ctx)
+
+    def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
+        all_draft = ctx.extra["all_draft_probs"][ctx.extra["rows"]]  # [b, K, V]
+        k = all_draft.shape[1]
+        wrong = torch.where(offsets + 1 < k, offsets + 1, offsets - 1)
+        return sample(residual(target_probs, all_draft[torch.arange(offsets.shape[0]), wrong]), ctx.generator)
+
+
+class StaleNoise(Lossless):
+    """Negative control: one uniform per row, reused at every draft position (u_1 = u_2), so a
+    position's acceptance is correlated with the previous one's: P(accept x_2 | x_1 accepted) =
+    min(1, a_2 / a_1) instead of a_2."""
+
+    def accept(self, draft_ids, draft_probs, target_probs, ctx):
+        p = target_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)  # [B, K]
+        q = draft_probs.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
+        u = torch.rand(p.shape[0], 1, generator=ctx.generator).expand_as(p)
+        return u < acceptance_probability(p, q), None
+
+
+def tempered(lm_logits: tuple[torch.Tensor, torch.Tensor], temperature: float) -> MarkovLM:
+    """The Markov LM of (first-token logits [V], next-token logits [V, V]) at ``temperature``."""
+    first, nxt = lm_logits
+    params = SamplingParams(temperature=temperature)
+    return MarkovLM(logits_to_probs(first, params), logits_to_probs(nxt, params))
 
 
 # -- Lossless -----------------------------------------------------------------------------------
@@ -216,6 +258,38 @@ def test_lossless_goodness_of_fit(kind, v):
 def test_negative_control_always_accept_is_rejected():
     target, draft = markov_pair("random")
     p_first, p_pair = gof(AlwaysAccept(), target, draft, n=N_SAMPLES)
+    assert p_first < FAIL and p_pair < FAIL, (p_first, p_pair)
+
+
+def test_negative_control_off_by_one_residual_is_rejected():
+    """Recovered tokens from the wrong position's residual: the first token (recovered from
+    max(0, p_1 − q_2) when x_1 is rejected) already fails, on the samples and bound the correct
+    rule passes."""
+    target, draft = markov_pair("random")
+    p_first, p_pair = gof(OffByOneResidual(), target, draft)
+    assert p_first < FAIL and p_pair < FAIL, (p_first, p_pair)
+
+
+def test_negative_control_stale_noise_is_rejected():
+    """The same uniform at both draft positions: the first token is still right (its acceptance
+    and residual are), the pair is not."""
+    target, draft = markov_pair("random")
+    p_first, p_pair = gof(StaleNoise(), target, draft)
+    assert p_first > PASS and p_pair < FAIL, (p_first, p_pair)
+
+
+def test_negative_control_wrong_temperature_is_rejected():
+    """Sampling at T = 0.8 (the draft samples at 0.8) but verifying against the target's
+    distributions at T = 1 (the raw ones, say): the output follows the target at T = 1. The
+    correct verification against T = 0.8 passes the same test."""
+    g = torch.Generator().manual_seed(0)
+    v = 100
+    t_logits = torch.randn(v + 1, v, generator=g) * 2.0
+    d_logits = t_logits + torch.randn(v + 1, v, generator=g) * 1.0
+    target = tempered((t_logits[0], t_logits[1:]), 0.8)
+    draft = tempered((d_logits[0], d_logits[1:]), 0.8)
+    assert min(gof(Lossless(), target, draft)) > PASS
+    p_first, p_pair = gof(Lossless(), target, draft, verified=tempered((t_logits[0], t_logits[1:]), 1.0))
     assert p_first < FAIL and p_pair < FAIL, (p_first, p_pair)
 
 

@@ -12,7 +12,8 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 * ``torch-fp32/int4-sd``  target float32 (untouched), draft int4 (``--quantize-draft int4``)
 * ``openvino-int8-ar`` / ``-sd`` / ``-ngram_sd`` …  our engine on :class:`OpenVINORunner` (OpenVINO exports of
   target and draft, NNCF int8 weights; ``openvino-int4-*``: int4; ``openvino-int8/int4-*``: int8 target,
-  int4 draft)
+  int4 draft; ``openvino-int8/int4v49152-*``: the int4 draft with a draft vocabulary of 49,152 ids,
+  ``--draft-vocab``)
 * ``ovgenai-int8-anchor``  OpenVINO GenAI's own plain decoding of the same int8 target weights;
   ``ovgenai-int8-sd`` / ``-sdN``: its own speculative decoding with the int8 draft, ``num_assistant_tokens``
   = K (:func:`anchors.openvino_genai_generate`)
@@ -61,6 +62,14 @@ WEIGHTS = {
     "fp32": ("float32", "none", None), "fp32mkl": ("float32", "none", False), "bf16": ("bfloat16", "none", None),
     "int8": (None, "int8", None), "int4": (None, "int4", None),
 }
+
+
+def openvino_weights(label: str) -> tuple[str, int | None]:
+    """``"int4v49152"`` -> (NNCF weight format ``"int4"``, draft vocabulary 49152); ``"int8"`` -> (``"int8"``, None)."""
+    m = re.fullmatch(r"(int8|int4|none)(?:v(\d+))?", label)
+    if m is None:
+        raise SystemExit(f"unknown OpenVINO weights {label!r}: int8, int4 or none, optionally with vN (a draft vocabulary)")
+    return m.group(1), int(m.group(2)) if m.group(2) else None
 
 
 def parse_config(config: str) -> tuple[str, str, int | None]:
@@ -145,7 +154,9 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         from quickdraft.backends.openvino.runner import yield_cores_to_openvino
 
         if (role, weights) not in runners:
-            runners[role, weights] = load_openvino(role, role, weight_format=weights, n_threads=yield_cores_to_openvino())
+            weight_format, draft_vocab = openvino_weights(weights)
+            runners[role, weights] = load_openvino(role, role, weight_format=weight_format, draft_vocab=draft_vocab,
+                                                   n_threads=yield_cores_to_openvino())
         return runners[role, weights]
 
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("openvino-")}):

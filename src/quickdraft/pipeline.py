@@ -83,6 +83,7 @@ class Pipeline:
         pack: bool | None = None, draft_dtype: str | None = None, exact: bool = False,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
+        draft_vocab: int | None = None,
 
         ``backend="auto"`` is :func:`quickdraft.backends.resolve_backend`'s choice (``openvino`` where
         it is installed, else ``torch``). ``backend="llamacpp"`` runs both models' GGUF files through llama.cpp
@@ -103,6 +104,9 @@ class Pipeline:
         greedy output token for token (:class:`quickdraft.backends.openvino.OpenVINORunner`).
         """
         from quickdraft.backends import BACKEND_NAMES, resolve_backend
+        ``draft_vocab`` (openvino) exports the draft with a head over that many token ids only
+        (:func:`quickdraft.backends.openvino.export.draft_vocab_ids`): each draft forward reads fewer
+        bytes, the drafter proposes from that subset, and every lossless method stays lossless.
         from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
         from quickdraft.quant import QUANTIZE_NAMES, quantize_by_name
 
@@ -117,7 +121,9 @@ class Pipeline:
         quantize = resolve_quantize(backend, quantize)
         quantize_draft = resolve_quantize(backend, quantize_draft)
         if backend == "openvino":
-            return cls._from_openvino(target, draft, quantize, quantize_draft, exact)
+            return cls._from_openvino(target, draft, quantize, quantize_draft, exact, draft_vocab)
+        if draft_vocab is not None and backend != "openvino":
+            raise QuickdraftError(f"a draft vocabulary (--draft-vocab) is implemented for the openvino backend, not {backend}")
         if backend == "llamacpp":
             if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
@@ -153,7 +159,7 @@ class Pipeline:
 
     @classmethod
     def _from_openvino(cls, target: str, draft: str | None, quantize: str, quantize_draft: str,
-                       exact: bool = False) -> "Pipeline":
+                       exact: bool = False, draft_vocab: int | None = None) -> "Pipeline":
         """Both models as OpenVINO exports; ``quantize`` / ``quantize_draft`` pick the NNCF weight
         format (``int8``, ``int4``, or ``none``: float32).
 
@@ -172,7 +178,7 @@ class Pipeline:
         if draft is not None:
             draft_runner, draft_tokenizer = load_openvino(
                 draft, "draft", weight_format=quantize_draft, n_threads=threads, exact=exact,
-                vocab_size=target_runner.vocab_size)
+                vocab_size=target_runner.vocab_size, draft_vocab=draft_vocab)
             check_compatible(tokenizer, draft_tokenizer, target_runner.model, draft_runner.model)
         return cls(
             target_runner.model, tokenizer, draft_runner.model if draft_runner else None,

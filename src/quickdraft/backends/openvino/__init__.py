@@ -22,9 +22,10 @@ __all__ = ["OpenVINORunner", "WEIGHT_FORMATS", "export_for", "is_available", "lo
 
 
 def export_for(spec: str | os.PathLike[str], weight_format: str = "int8", *, layout: str = "engine",
-               progress: bool = True) -> Path:
+               draft_vocab: int | None = None, progress: bool = True) -> Path:
     """The OpenVINO export of a model spec, made once (``<entry>/openvino-<format>``; the GenAI
-    layout: ``<entry>/openvino-genai-<format>``) if missing.
+    layout: ``<entry>/openvino-genai-<format>``; with a draft vocabulary of ``N`` ids:
+    ``<entry>/openvino-<format>-vocabN``) if missing.
 
     ``spec`` may also be an export directory itself (it holds ``openvino_model.xml``).
     """
@@ -39,19 +40,21 @@ def export_for(spec: str | os.PathLike[str], weight_format: str = "int8", *, lay
             f"the openvino backend exports Hugging Face model directories, got the GGUF file {entry}; "
             "install the model (`quickdraft models install`) or pass its directory"
         )
-    out = entry / export_dir_name(weight_format, layout)
+    out = entry / export_dir_name(weight_format, layout, draft_vocab)
     if not is_exported(out):
-        export(entry, out, weight_format, layout=layout, progress=progress)
+        export(entry, out, weight_format, layout=layout, draft_vocab=draft_vocab, progress=progress)
     return out
 
 
 def load_openvino(spec: str | os.PathLike[str], name: str, *, weight_format: str = "int8",
                   n_threads: int | None = None, kv_cache_precision: str | None = None,
-                  inference_precision: str | None = None, exact: bool = False, vocab_size: int | None = None):
-    """``(OpenVINORunner, tokenizer)`` for a registry name, alias, Hugging Face directory or export."""
+                  inference_precision: str | None = None, exact: bool = False, vocab_size: int | None = None,
+                  draft_vocab: int | None = None):
+    """``(OpenVINORunner, tokenizer)`` for a registry name, alias, Hugging Face directory or export
+    (``draft_vocab``: a draft model whose head keeps that many token ids, see ``export.draft_vocab_ids``)."""
     from transformers import AutoTokenizer
 
-    out = export_for(spec, weight_format)
+    out = export_for(spec, weight_format, draft_vocab=draft_vocab)
     tokenizer = AutoTokenizer.from_pretrained(out)
     runner = OpenVINORunner(out, name, n_threads=n_threads, kv_cache_precision=kv_cache_precision,
                             inference_precision=inference_precision, exact=exact, vocab_size=vocab_size)

@@ -179,6 +179,8 @@ class OpenVINORunner:
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
         manifest = path / EXPORT_MANIFEST
         self.export_info = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        # a draft vocabulary: the head's rows are these token ids (None: the whole vocabulary)
+        self.head_ids = _head_ids(self.export_info)
         # the fingerprint of the exported weights (quickdraft.head.model_fingerprint), for head checks
         self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path),
                                      fingerprint=self.export_info.get("fingerprint"))
@@ -240,7 +242,9 @@ class OpenVINORunner:
         self.infer_seconds += time.perf_counter() - start
         self.num_forwards += 1
         logits = torch.from_numpy(np.array(self.request.get_tensor("logits").data, copy=True))  # [B, keep, V']
-        if logits.shape[-1] != self.vocab_size:
+        if self.head_ids is not None:
+            logits = _scatter_vocab(logits, self.head_ids, self.vocab_size)
+        elif logits.shape[-1] != self.vocab_size:
             logits = _fit_vocab(logits, self.vocab_size)
         hidden = None
         if output_hidden:
@@ -445,6 +449,26 @@ def _additive(allowed: torch.Tensor) -> np.ndarray:
     """``[B, m, L]`` bool -> ``[B, 1, m, L]`` float32 additive mask (0 where allowed, -inf elsewhere)."""
     mask = np.where(allowed.numpy(), np.float32(0.0), _BLOCKED).astype(np.float32)
     return mask[:, None]
+
+
+def _head_ids(export_info: dict) -> torch.Tensor | None:
+    """The token ids of an export's head rows (see ``export.draft_vocab_ids``), or None for a full head."""
+    size = export_info.get("draft_vocab")
+    if not size:
+        return None
+    extra = [int(i) for i in export_info.get("head_extra_ids", [])]
+    return torch.cat([torch.arange(int(size)), torch.tensor(extra, dtype=torch.long)])
+
+
+def _scatter_vocab(logits: torch.Tensor, head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary ``[..., V']`` placed at ``head_ids`` in ``[..., V]``, ``-inf`` elsewhere
+    (probability zero: the drafter never proposes those tokens)."""
+    if logits.shape[-1] != head_ids.numel():
+        raise QuickdraftError(f"the export's head has {logits.shape[-1]} rows, its manifest names {head_ids.numel()} ids")
+    ids = head_ids[head_ids < vocab_size]
+    full = torch.full((*logits.shape[:-1], vocab_size), float("-inf"), dtype=logits.dtype)
+    full[..., ids] = logits[..., : ids.numel()]
+    return full
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

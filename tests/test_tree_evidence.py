@@ -20,7 +20,8 @@
    catches bookkeeping errors (a wrong KV slot kept, a wrong position after compaction), which
    change the conditionals grossly, not subtle biases of a verifier; negative control: the same
    counts must reject (p < 1e-6) the law of a loop that lost the second token's KV slot,
-   ``p(t1) p(t2 | t1) p(t3 | t1)``.
+   ``p(t1) p(t2 | t1) p(t3 | t1)``. Sampled trees of depth 3 get the same test on 15,000 rows with
+   four tokens to generate, so that a first step's walk can emit all three tested tokens.
 3. **Tree attention on real dynamic trees.** Trees grown by the draft model through several
    :meth:`ModelRunner.forward_tree` calls in one session (rerank, duplicate and padding nodes,
    left-padded rows of different lengths): every expanded node's draft distribution and every
@@ -213,6 +214,31 @@ def test_generate_tree_three_token_law(small_pair, scheme, verifier, params):
     pvalue = chi_square_pvalue(counts, _exact_triples(target, prompt, params))
     assert pvalue > P_PASS, f"{scheme}/{verifier}: chi-square p = {pvalue:.2e}"
     # negative control: the same counts reject the law of a loop that lost the second token's KV
+    assert chi_square_pvalue(counts, _lost_second_token_triples(target, prompt, params)) < P_FAIL
+
+
+@pytest.mark.parametrize("scheme, verifier", [("without_replacement", "rrs"), ("with_replacement", "kseq")])
+def test_generate_tree_depth3_sampled_trees_three_token_law(small_pair, scheme, verifier):
+    """Sampled depth-3 trees (children drawn from the draft, every drawn child kept): with four
+    tokens to generate the first step keeps its full depth, so a row can emit its first three
+    tokens from one walk three nodes deep. The triples follow the target's exact law; the same
+    counts reject the law of a loop that lost the second token's KV slot."""
+    target, draft = small_pair
+    prompt, n = [1, 2, 3], 15_000
+    params = SamplingParams(temperature=1.0)
+    out = generate_tree(
+        ModelRunner(target), ModelRunner(draft), [prompt] * n,
+        config=TreeConfig(depth=3, topk=2, budget=8, scheme=scheme), verifier=verifier,
+        sampling=params, max_new_tokens=4, seed=4,
+    )
+    seqs = np.array([s[:3] for s in out.sequences])
+    # the walks do reach depth 3: rows that emitted all four tokens in their first step
+    deep = sum(m.steps == 1 and m.accepted_tokens == 3 for m in out.metrics)
+    assert deep > n // 20, deep
+    counts = np.zeros((V, V, V))
+    np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
+    pvalue = chi_square_pvalue(counts, _exact_triples(target, prompt, params))
+    assert pvalue > P_PASS, f"{scheme}/{verifier} depth 3: chi-square p = {pvalue:.2e}"
     assert chi_square_pvalue(counts, _lost_second_token_triples(target, prompt, params)) < P_FAIL
 
 

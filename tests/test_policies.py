@@ -25,10 +25,13 @@ from quickdraft.policies import (
 )
 from quickdraft.rules import Lossless
 from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
+from quickdraft.sampling import SamplingParams, logits_to_probs
 
-from conftest import TINY_VOCAB, tiny_lm
-from test_engine import PROMPTS, _chi_square_pvalue, _exact_two_token_distribution, _two_token_counts
+from conftest import TINY_VOCAB, chi_square_pvalue, perturbed_copy, tiny_lm
+from test_engine import PROMPTS
+
+#: the vocabulary of the goodness-of-fit models (three tokens: 512 cells)
+SMALL_V = 8
 
 
 def constant_head(p: float, hidden: int = 32) -> AcceptanceHead:
@@ -236,6 +239,7 @@ class Recording(Policy):
         self.inner = inner
         self.needs_hidden = inner.needs_hidden
         self.lengths: list[int] = []
+        self.stops = 0  # steps the wrapped policy ended by answering keep_drafting with False
         self._n = 0
 
     def begin_step(self) -> int:
@@ -245,6 +249,7 @@ class Recording(Policy):
     def keep_drafting(self, i, draft_probs, hidden, token=None):
         keep = self.inner.keep_drafting(i, draft_probs, hidden, token=token)
         self._n = i + 2 if keep else i + 1
+        self.stops += not keep
         return keep
 
     def update(self, num_drafted, num_accepted):
@@ -292,35 +297,74 @@ class MisreportingDrafter(ModelDrafter):
         return draft
 
 
-def test_sampling_with_an_adaptive_policy_matches_the_target():
-    """Two-token continuations through the engine at T = 0.8 with SpecDec++ (random head) choosing
-    the draft length follow the target's exact joint distribution (chi-square, p > 1e-4); the same
-    run with a drafter that misreports its distributions must fail (p < 1e-6)."""
-    params = SamplingParams(temperature=0.8)
-    model = tiny_lm(seed=0)
+#: (name, factory) of the adaptive policies whose sampled output is tested against the target's law
+ADAPTIVE = [
+    ("heuristic", lambda: Heuristic(initial_k=1, max_k=3)),
+    # the draft's top probabilities are ~0.2-0.6: every batch has rows that stop the draft
+    ("confidence", lambda: Confidence(p_min=0.38, max_k=3, batch_rule="any")),
+    ("specdecpp", lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=3)),
+]
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """A vocabulary-8 target and a draft that agrees with it often (so drafts of several tokens
+    get accepted and the policies' decisions matter)."""
+    target = tiny_lm(seed=21, vocab=SMALL_V, max_positions=64)
     with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    draft_model = tiny_lm(seed=7)
-    prompt = [1, 2, 3]
-    exact = _exact_two_token_distribution(model, prompt, params)
-    n, chunks = 16_000, 2
-    target = ModelRunner(model)
-    drafter = ModelDrafter(ModelRunner(draft_model), TINY_VOCAB)
+        target.lm_head.weight.mul_(8.0)
+    return target, perturbed_copy(target, scale=0.5, seed=22)
 
-    def run(policy_factory, drafter=drafter) -> np.ndarray:
-        counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
-        lengths = []
-        for c in range(chunks):
-            policy = Recording(policy_factory())
-            out = generate(target, [prompt] * (n // chunks), method="sd", drafter=drafter, rule=Lossless(),
-                           policy=policy, sampling=params, max_new_tokens=2, seed=100 + c)
-            counts += _two_token_counts(out.sequences)
+
+def _exact_triples(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """``p(t1) p(t2 | t1) p(t3 | t1, t2)`` of ``model`` after ``prompt`` under ``params``, ``[V, V, V]``."""
+    v = SMALL_V
+    with torch.no_grad():
+        p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params).double()  # [V]
+        p2 = logits_to_probs(model(torch.tensor([prompt + [a] for a in range(v)])).logits[:, -1], params).double()
+        ctx3 = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])
+        p3 = logits_to_probs(model(ctx3).logits[:, -1], params).double().view(v, v, v)
+    return (p1.view(v, 1, 1) * p2.view(v, v, 1) * p3).numpy()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", [name for name, _ in ADAPTIVE])
+def test_sampling_with_an_adaptive_policy_matches_the_target(small_pair, name):
+    """The lossless rule at T = 0.8 with an adaptive policy choosing every step's draft length:
+    6,000 rows (6 batches of 1,000) generate four tokens, whose first three follow the target's
+    exact law (512 cells, mean expected count ~12, cells below 5 pooled; chi-square p > 1e-4).
+    Four tokens leave the first step a cap of three drafts, so the policy, not the cap, ends the
+    first step's draft (lengths 1 and 2 here), and rows finish at different steps (two for some,
+    up to four for others). With SpecDec++, a drafter that misreports its distributions fails the same
+    test (p < 1e-6)."""
+    factory = dict(ADAPTIVE)[name]
+    target_model, draft_model = small_pair
+    params = SamplingParams(temperature=0.8)
+    prompt, batches, rows = [1, 2, 3], 6, 1_000
+    exact = _exact_triples(target_model, prompt, params)
+    target = ModelRunner(target_model)
+
+    def run(drafter_cls):
+        drafter = drafter_cls(ModelRunner(draft_model), SMALL_V)
+        counts = np.zeros((SMALL_V,) * 3)
+        lengths, stops, steps = [], 0, set()
+        for c in range(batches):
+            policy = Recording(factory())
+            out = generate(target, [prompt] * rows, method="sd", drafter=drafter, rule=Lossless(), policy=policy,
+                           sampling=params, max_new_tokens=4, seed=100 + c)
+            seqs = np.array([s[:3] for s in out.sequences])
+            np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
             lengths += policy.lengths
-        return counts, lengths
+            stops += policy.stops
+            steps |= {m.steps for m in out.metrics}
+        return counts, lengths, stops, steps
 
-    counts, lengths = run(lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=4))
-    assert min(lengths) < 4, lengths  # the head stopped drafting before max_k
-    assert _chi_square_pvalue(counts, exact) > 1e-4
-    bad, _ = run(lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=4),
-                 drafter=MisreportingDrafter(ModelRunner(draft_model), TINY_VOCAB))
-    assert _chi_square_pvalue(bad, exact) < 1e-6
+    counts, lengths, stops, steps = run(ModelDrafter)
+    assert len(set(lengths)) > 1, lengths  # the policy varied the draft length
+    if name != "heuristic":  # (the heuristic varies it between steps, the others within a step)
+        assert stops > 0, lengths
+    assert len(steps) > 1, steps  # rows finished at different steps
+    assert chi_square_pvalue(counts, exact) > 1e-4
+    if name == "specdecpp":
+        bad, *_ = run(MisreportingDrafter)
+        assert chi_square_pvalue(bad, exact) < 1e-6

@@ -1,14 +1,21 @@
 """Drafters: who proposes the draft tokens. One class per kind of drafter.
 
-Every drafter implements ``start``, ``propose`` and ``commit``:
+Every drafter implements ``start``, ``prefill``, ``propose`` and ``commit``:
 
 ``start(sequences)``
     a new batch begins (``sequences`` is the list of token-id lists, prompts included).
-``propose(sequences, policy, rule, sampling, ctx) -> Draft``
+``prefill(sequences)``
+    feed the draft model every token but the last of every sequence (nothing without a model).
+``propose(sequences, policy, rule, sampling, ctx, active) -> Draft``
     draft up to ``policy.begin_step()`` tokens for every row, the same number of columns for all
-    rows; ``Draft.lengths`` says how many of them each row really drafted.
-``commit(sequences)``
+    rows; ``Draft.lengths`` says how many of them each row really drafted (0 for rows not in
+    ``active``).
+``commit(sequences, valid_prefix)``
     the sequences after verification; the drafter drops whatever state is no longer valid.
+
+These draft chains; the engine drives them through :class:`quickdraft.proposals.ChainProposer`,
+which adds the draft-length policy and turns each draft into the step's proposal. A tree drafter
+(:class:`quickdraft.tree_decoding.TreeDrafter`) makes its own proposer.
 """
 
 from __future__ import annotations

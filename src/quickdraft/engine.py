@@ -1,11 +1,13 @@
-"""The generation loop: plain decoding and chain speculative decoding, batched.
+"""The generation loop: plain decoding, chain and token-tree speculative decoding, batched.
 
-One step of chain speculative decoding, for every row of the batch at once::
+One step, for every row of the batch at once (the verbs of :mod:`quickdraft.proposals`)::
 
-    1. draft     the drafter proposes up to K tokens (policy decides K, at most the tokens left to
-                 generate minus one), drawn through the rule
-    2. verify    one target forward over [pending token, draft tokens]           -> [B, K+1, V]
-    3. accept    verify_chain(draft_ids, draft_probs, target_probs, rule)        -> n per row
+    1. propose   the proposer drafts a token tree whose root is the last emitted token: a chain of
+                 up to K tokens (the policy decides K) or a tree (its config decides the shape),
+                 no more than the tokens left to generate minus one     -> Proposal
+    2. score     one target forward over [pending tokens, tree nodes]    -> [B, M, V]
+    3. verify    walk each row's tree with the rule (verify_chain for a chain, verify_tree for a
+                 tree)                                                   -> Walk: n accepted per row
     4. commit    append the n accepted tokens and the recovered-or-bonus token; roll both KV caches
                  back to the part that is still a prefix of the sequence
 
@@ -18,9 +20,10 @@ rows between steps.
 
 A draft longer than the budget left (``max_new_tokens`` minus the tokens emitted, minus the bonus
 token) would be cut off after verification anyway, so each step drafts at most that many tokens
-(:class:`quickdraft.policies.BudgetCap`); a row's last token is then a plain step. The cap depends
-only on the tokens emitted so far, so it leaves the output distribution (and the greedy text) as it
-is. Policies may ask for at most :data:`quickdraft.policies.MAX_DRAFT_LENGTH` tokens per step.
+(:class:`quickdraft.policies.BudgetCap`); a chain's last token is then a plain step, a tree keeps
+at least one layer. The cap depends only on the tokens emitted so far, so it leaves the output
+distribution (and the greedy text) as it is. Policies may ask for at most
+:data:`quickdraft.policies.MAX_DRAFT_LENGTH` tokens per step.
 """
 
 from __future__ import annotations
@@ -28,21 +31,24 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
-from quickdraft.drafters import Draft, ModelDrafter, NGramDrafter, NGramModelDrafter, pending_block
+from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter, pending_block
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
-from quickdraft.policies import MAX_DRAFT_LENGTH, BudgetCap, Constant, Policy
+from quickdraft.policies import Constant, Policy
+from quickdraft.proposals import ChainProposer, Proposer, Walk
 from quickdraft.rules import Greedy, Lossless, Rule, VerifyContext
 from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
-from quickdraft.verify import verify_chain
+from quickdraft.sampling import SamplingParams
 
-Method = Literal["ar", "sd", "ngram", "ngram_sd"]
-METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd")
+if TYPE_CHECKING:
+    from quickdraft.tree_decoding import TreeDrafter
+
+Method = Literal["ar", "sd", "ngram", "ngram_sd", "tree"]
+METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "tree")
 
 #: called as ``on_tokens(row, new_token_ids)`` whenever a row gains tokens
 TokenCallback = Callable[[int, list[int]], None]
@@ -166,7 +172,7 @@ def generate(
     prompts: list[list[int]],
     *,
     method: Method = "sd",
-    drafter: ModelDrafter | NGramDrafter | NGramModelDrafter | None = None,
+    drafter: ModelDrafter | NGramDrafter | NGramModelDrafter | TreeDrafter | None = None,
     rule: Rule | None = None,
     policy: Policy | None = None,
     sampling: SamplingParams = SamplingParams(),
@@ -186,15 +192,17 @@ def generate(
         ``B`` non-empty lists of token ids in ``[0, vocab_size)`` of the target.
     method:
         ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` / ``"ngram_sd"`` chain speculative decoding
-        with ``drafter``.
+        with ``drafter``, ``"tree"`` token-tree speculative decoding.
     drafter:
-        A :class:`ModelDrafter` (``"sd"``), :class:`NGramDrafter` (``"ngram"``) or
-        :class:`NGramModelDrafter` (``"ngram_sd"``: prompt lookup, the draft model where it finds nothing).
+        A :class:`ModelDrafter` (``"sd"``), :class:`NGramDrafter` (``"ngram"``),
+        :class:`NGramModelDrafter` (``"ngram_sd"``: prompt lookup, the draft model where it finds
+        nothing) or :class:`quickdraft.tree_decoding.TreeDrafter` (``"tree"``).
     rule:
-        Acceptance rule (default: :func:`default_rule`).
+        Acceptance rule (default: :func:`default_rule`); trees take the lossless rules, FSD and
+        ERSD (:mod:`quickdraft.tree_decoding`).
     policy:
-        Draft-length policy (default ``Constant(4)``); each step drafts at most the tokens left to
-        generate minus one, and at most :data:`quickdraft.policies.MAX_DRAFT_LENGTH`.
+        Draft-length policy of a chain (default ``Constant(4)``); each step drafts at most the
+        tokens left to generate minus one, and at most :data:`quickdraft.policies.MAX_DRAFT_LENGTH`.
     sampling:
         Temperature / top-k / top-p, applied identically to target and draft.
     max_new_tokens:
@@ -226,11 +234,14 @@ def generate(
                          target.num_forwards, decoder.draft_forwards)
 
 
-def _draft_runner(drafter) -> ModelRunner | None:
-    """The draft model's runner of ``drafter`` (``None`` for a model-free drafter)."""
-    if isinstance(drafter, NGramModelDrafter):
-        return drafter.model.runner
-    return getattr(drafter, "runner", None)
+def proposer_for(drafter, policy: Policy, rule: Rule, sampling: SamplingParams, vocab_size: int) -> Proposer:
+    """The proposer of ``drafter``: its own when it makes one (a tree drafter's
+    ``proposer(policy, rule, sampling)``), else a :class:`ChainProposer` around it (``None``: plain
+    decoding)."""
+    make = getattr(drafter, "proposer", None)
+    if make is not None:
+        return make(policy, rule, sampling)
+    return ChainProposer(drafter, policy, rule, sampling, vocab_size)
 
 
 def _grow(runner, n: int) -> None:
@@ -276,6 +287,7 @@ class Decoder:
     finish: ``"length"`` while a row runs or when it ran out of budget, ``"eos"``, ``"stop"``.
     active: ``[B]`` bool, rows still generating.
     max_new_tokens: every row's budget.
+    proposer: the drafting side (:func:`proposer_for`): its runner's rows follow the batch's.
     draft_forwards: draft forwards of all steps.
     """
 
@@ -285,7 +297,7 @@ class Decoder:
         prompts: list[list[int]],
         *,
         method: Method = "sd",
-        drafter: ModelDrafter | NGramDrafter | NGramModelDrafter | None = None,
+        drafter: ModelDrafter | NGramDrafter | NGramModelDrafter | TreeDrafter | None = None,
         rule: Rule | None = None,
         policy: Policy | None = None,
         sampling: SamplingParams = SamplingParams(),
@@ -312,14 +324,9 @@ class Decoder:
         self.eos_ids = set(eos_token_ids or ())
         self.stop = stop
         self.on_tokens = on_tokens
-        step_k = self.policy.begin_step()
-        if isinstance(step_k, bool) or int(step_k) != step_k or not 1 <= step_k <= MAX_DRAFT_LENGTH:
-            raise QuickdraftError(
-                f"policy {self.policy.name!r} asks for a draft of {step_k!r} tokens; the draft length must be an "
-                f"integer in [1, {MAX_DRAFT_LENGTH}]"
-            )
-        # room for the longest draft and its bonus token
-        self.draft_room = 0 if method == "ar" else max(step_k, getattr(drafter, "max_draft", 0)) + 1
+        self.proposer = proposer_for(None if method == "ar" else drafter, self.policy, self.rule, sampling, self.vocab)
+        if (method == "tree") == isinstance(self.proposer, ChainProposer):
+            raise QuickdraftError(f"method {method!r} cannot draft with a {type(drafter).__name__}")
         self._check_context(prompts, [max_new_tokens] * len(prompts))
 
         b = len(prompts)
@@ -339,13 +346,12 @@ class Decoder:
         # -- prefill: everything but each prompt's last token ----------------------------------
         target.reset(b)
         target.num_forwards = 0
-        if method != "ar":
-            drafter.start(self.sequences)
+        self.proposer.start(self.sequences)
         if b and _prefill(target, self.sequences, 0):
             for m in self.metrics:
                 m.target_forwards += 1
-        if method != "ar" and b:
-            drafter.prefill(self.sequences)
+        if b:
+            self.proposer.prefill(self.sequences)
 
     # -- rows ------------------------------------------------------------------------------------
     @property
@@ -356,10 +362,13 @@ class Decoder:
         if not prompts:
             return
         row = max(range(len(prompts)), key=lambda r: len(prompts[r]) + max_new_tokens[r])
-        if len(prompts[row]) + max_new_tokens[row] + self.draft_room > self.target.max_positions:
+        limit, whose = self.target.max_positions, "the target's"
+        if self.proposer.max_positions is not None:
+            limit, whose = min(limit, self.proposer.max_positions), "the models'"
+        if len(prompts[row]) + max_new_tokens[row] + self.proposer.room > limit:
             raise QuickdraftError(
                 f"context overflow: prompt ({len(prompts[row])} tokens) + max_new_tokens ({max_new_tokens[row]}) "
-                f"+ draft exceeds the target's maximum of {self.target.max_positions} tokens"
+                f"+ draft exceeds {whose} maximum of {limit} tokens"
             )
 
     def add_rows(self, prompts: list[list[int]], max_new_tokens: list[int]) -> None:
@@ -375,7 +384,7 @@ class Decoder:
         self._check_context(prompts, max_new_tokens)
         first, n = self.batch_size, len(prompts)
         device = self.target.device
-        runners = [self.target] + [r for r in [_draft_runner(self.drafter)] if r is not None]
+        runners = [self.target] + [r for r in [self.proposer.runner] if r is not None]
         self.sequences += [list(p) for p in prompts]
         self.new_ids += [[] for _ in prompts]
         self.metrics += [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
@@ -419,7 +428,7 @@ class Decoder:
         if not rows:
             return
         _shrink(self.target, rows)
-        runner = _draft_runner(self.drafter)
+        runner = self.proposer.runner
         if runner is not None:
             _shrink(runner, rows)
         self._drop(rows)
@@ -428,7 +437,7 @@ class Decoder:
         """Drop the KV-cache holes of a runner whose cache is more than half holes (``min_slots``
         slots or more); a long-lived batch whose rows come and go stays about as long as its
         longest row."""
-        for runner in (self.target, _draft_runner(self.drafter)):
+        for runner in (self.target, self.proposer.runner):
             if runner is None or not hasattr(runner, "compact") or runner.num_slots < min_slots:
                 continue
             if 2 * int((runner.slot_pos < 0).sum()) > runner.batch_size * runner.num_slots:
@@ -436,70 +445,45 @@ class Decoder:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> None:
-        """One draft-verify-commit step for every active row (see the module docstring)."""
+        """One propose-score-verify-commit step for every active row (see the module docstring)."""
         if not bool(self.active.any()):
             return
-        target, drafter, policy, rule, sampling = self.target, self.drafter, self.policy, self.rule, self.sampling
-        sequences, new_ids, metrics, active = self.sequences, self.new_ids, self.metrics, self.active
-        b, vocab, device = self.batch_size, self.vocab, target.device
-        needs_raw = getattr(rule, "needs_raw", False)
+        target, sequences, active = self.target, self.sequences, self.active
+        b, device = self.batch_size, target.device
         seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
         ctx = VerifyContext(generator=self.generator, positions=seq_lens.clone(), extra={"row_ids": self.row_ids})
-        # 1. draft, at most what is left of the longest active row's budget after its bonus token
+        # 1. propose: at most what is left of the longest active row's budget after its bonus token
         live = active.tolist()
-        cap = max(self.max_new_tokens[row] - len(new_ids[row]) for row in range(b) if live[row]) - 1
-        if self.method == "ar" or cap == 0:
-            draft = Draft(
-                ids=torch.zeros((b, 0), dtype=torch.long, device=device),
-                probs=torch.zeros((b, 0, vocab), device=device),
-                lengths=torch.zeros(b, dtype=torch.long, device=device),
-                raw_probs=torch.zeros((b, 0, vocab), device=device) if needs_raw else None,
-            )
-        else:
-            draft = drafter.propose(sequences, BudgetCap(policy, cap), rule, sampling, ctx, active).truncate(cap)
-        k = draft.ids.shape[1]
-        self.draft_forwards += draft.forwards
+        cap = max(self.max_new_tokens[row] - len(self.new_ids[row]) for row in range(b) if live[row]) - 1
+        proposal = self.proposer.propose(sequences, active, cap, ctx)
+        self.draft_forwards += proposal.forwards
         was_active = active.clone()
-        # 2. verify: one target forward over [pending, drafts]
-        draft = draft.to(device)
-        pend_ids, pend_valid = pending_block(sequences, target.lengths)
-        pend_ids, pend_valid = pend_ids.to(device), pend_valid.to(device)
-        block = torch.cat([pend_ids, draft.ids], dim=1)
-        block_valid = torch.cat([pend_valid, torch.ones_like(draft.ids, dtype=torch.bool)], dim=1)
-        out = target.forward(block, block_valid, logits_to_keep=k + 1)
-        target_logits = out.logits[:, :, :vocab]  # [B, K+1, V]
-        target_probs = logits_to_probs(target_logits, sampling)
-        if needs_raw:
-            ctx.raw_target_probs = raw_probs(target_logits)
-            ctx.raw_draft_probs = draft.raw_probs
-        # 3. accept
-        result = verify_chain(
-            draft.ids, draft.probs, target_probs, rule, ctx=ctx,
-            draft_lengths=draft.lengths if k else None, check_probs=False,
-        )
-        # 4. commit
-        accepted = result.num_accepted
-        accepted_list = accepted.tolist()
-        output_rows = result.output_ids.tolist()
-        lengths_list = draft.lengths.tolist()
-        lossy_list = result.num_lossy.tolist()
-        active_list = active.tolist()
-        for row in range(b):
+        # 2. score: one target forward over [pending, tree]
+        target_logits = proposal.score(target, sequences)
+        # 3. verify
+        walk = proposal.verify(target_logits, ctx, was_active)
+        # 4. emit the accepted tokens and the recovered-or-bonus token, then roll the caches back
+        self._emit(walk, proposal.forwards)
+        proposal.commit(target, sequences, walk, seq_lens, was_active)
+
+    def _emit(self, walk: Walk, draft_forwards: int) -> None:
+        """Append every active row's accepted tokens and its recovered-or-bonus token, cut at its
+        budget, EOS and stop strings; count the step in the row's metrics."""
+        accepted = walk.num_accepted.tolist()
+        output_rows = walk.output_ids.tolist()
+        depth = walk.drafted_depth.tolist()
+        nodes = walk.drafted_nodes.tolist()
+        lossy = walk.num_lossy.tolist()
+        active, active_list = self.active, self.active.tolist()
+        for row in range(self.batch_size):
             if not active_list[row]:
                 continue
-            n = accepted_list[row]
-            emitted = output_rows[row][: n + 1]
-            m = metrics[row]
+            n = accepted[row]
+            m = self.metrics[row]
             m.target_forwards += 1
-            m.draft_forwards += draft.forwards
-            m.record_step(lengths_list[row], n, lossy_list[row])
-            if not append_emitted(row, emitted, new_ids, sequences, self.finish, self.max_new_tokens[row],
-                                  self.eos_ids, self.stop, self.on_tokens):
+            m.draft_forwards += draft_forwards
+            m.record_step(depth[row], n, lossy[row])
+            m.drafted_tokens += nodes[row] - depth[row]
+            if not append_emitted(row, output_rows[row][: n + 1], self.new_ids, self.sequences, self.finish,
+                                  self.max_new_tokens[row], self.eos_ids, self.stop, self.on_tokens):
                 active[row] = False
-        # roll back: keep what is still a prefix of each sequence
-        valid_prefix = seq_lens + accepted
-        target.truncate(torch.minimum(target.lengths, valid_prefix))
-        if self.method != "ar":
-            drafter.commit(sequences, valid_prefix)
-            if cap > 0:  # the policy drafted this step
-                policy.update(k, accepted[was_active])

@@ -1,14 +1,16 @@
 """Token-tree speculative decoding with a draft model: one target forward verifies a whole tree.
 
-One step, for every row of the batch at once::
+:class:`TreeDrafter` is the drafter of method ``"tree"`` of :func:`quickdraft.engine.generate`;
+its proposal (:class:`TreeProposal`) fills the four verbs of the engine's step
+(:mod:`quickdraft.proposals`), for every row of the batch at once::
 
-    1. draft    the draft model reads its pending tokens (root = last emitted token) and grows a
+    1. propose  the draft model reads its pending tokens (root = last emitted token) and grows a
                 token tree layer by layer (:func:`quickdraft.tree.build_tree`: d draft forwards;
                 d at most the tokens left to generate minus one, and at least 1:
                 :meth:`TreeConfig.capped <quickdraft.tree.TreeConfig.capped>`)
-    2. verify   one target forward over the M = N + 1 tree nodes with the tree attention mask
+    2. score    one target forward over the M = N + 1 tree nodes with the tree attention mask
                 (:meth:`ModelRunner.forward_tree`)                              -> [B, M, V]
-    3. accept   walk down from the root (:func:`verify_tree`): at each node a step-level verifier
+    3. verify   walk down from the root (:func:`verify_tree`): at each node a step-level verifier
                 emits one token distributed as the target; continue while it is a child
     4. commit   both runners keep only the accepted path's KV slots (:meth:`ModelRunner.commit_tree`)
 
@@ -45,7 +47,6 @@ of candidates. With one candidate per node and depth ``K`` it is chain ERSD.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,15 +54,13 @@ import torch
 
 from quickdraft.divergences import get_divergence
 from quickdraft.drafters import pending_block
-from quickdraft.engine import (
-    GenerationOutput, TokenCallback, append_emitted, check_max_new_tokens, check_prompts, finish_output,
-)
+from quickdraft.engine import GenerationOutput, TokenCallback, generate
 from quickdraft.errors import QuickdraftError
-from quickdraft.metrics import GenerationMetrics
 from quickdraft.multidraft_proposals import sample_rows
 from quickdraft.multidraft_verifiers import kseq_verify, optimal_greedy_verify, rrs_verify
 from quickdraft.race import race_keys as make_race_keys, race_sample
-from quickdraft.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule
+from quickdraft.proposals import Walk
+from quickdraft.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule, VerifyContext
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams, logits_to_probs, raw_probs
 from quickdraft.tree import (
@@ -202,6 +201,158 @@ def verify_tree(
     return TreeVerification(output_ids=out, path=path, num_accepted=num_accepted, num_lossy=num_lossy)
 
 
+class TreeDrafter:
+    """Draft a token tree per row with a draft model (method ``"tree"`` of
+    :func:`quickdraft.engine.generate`).
+
+    Parameters
+    ----------
+    runner:
+        The draft model's runner (same vocabulary as the target).
+    vocab_size:
+        The target's vocabulary size (logits are cut to it).
+    config:
+        Tree shape and how children are drawn (:class:`quickdraft.tree.TreeConfig`). At
+        temperature 0 the ``topk`` scheme is used whatever ``config.scheme`` says.
+    verifier:
+        Step-level verifier at every node: ``"rrs"``, ``"kseq"``, ``"optimal_greedy"``
+        (ignored at temperature 0, where the walk follows the target's argmax).
+    """
+
+    name = "tree"
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, config: TreeConfig = TreeConfig(),
+                 verifier: str = "rrs") -> None:
+        self.runner = runner
+        self.vocab_size = int(vocab_size)
+        self.config = config
+        self.verifier = verifier
+
+    def proposer(self, policy, rule: Rule, sampling: SamplingParams) -> "TreeProposer":
+        """The proposer of one batch with ``rule`` and ``sampling`` (trees take no length policy:
+        their depth is ``config``'s)."""
+        return TreeProposer(self, rule, sampling)
+
+
+class TreeProposer:
+    """The drafting side of tree decoding for one batch: checks the rule, picks the scheme the
+    rule and the temperature need, and grows one tree per row each step.
+
+    ``rule``: a lossless rule for exact verification, :class:`quickdraft.rules.Fuzzy` for FSD on
+    trees, or :class:`quickdraft.rules.ExponentialRace` for ERSD on trees (see the module
+    docstring). ERSD verifies any tree losslessly; with ``config.scheme`` ``"topk"`` or ``"race"``
+    the children are the race candidates (the ``race`` scheme), with a sampled scheme they are
+    drawn by that scheme.
+    """
+
+    def __init__(self, drafter: TreeDrafter, rule: Rule, sampling: SamplingParams) -> None:
+        if rule is not None and not isinstance(rule, (Fuzzy, Greedy, Lossless, ExponentialRace)):
+            raise QuickdraftError(
+                f"rule {rule.name!r} is not supported on trees; use fsd or ersd, or none for the lossless tree walk"
+            )
+        config, verifier = drafter.config, drafter.verifier
+        self.fuzzy = rule if isinstance(rule, Fuzzy) else None
+        self.race = rule if isinstance(rule, ExponentialRace) else None
+        greedy = sampling.greedy
+        if self.race is not None and (config.scheme == "topk" or (greedy and config.scheme in SCHEMES)):
+            config = dataclasses.replace(config, scheme=RACE_SCHEME)
+        elif greedy and config.scheme != "topk":
+            config = dataclasses.replace(config, scheme="topk")
+        if not greedy and self.race is None:
+            check_combination(config.scheme, verifier)
+        self.drafter = drafter
+        self.config = config
+        self.verifier = verifier
+        self.sampling = sampling
+        self.runner = drafter.runner
+        self.room = config.tree_depth + 1
+        self.max_positions = drafter.runner.max_positions
+
+    def start(self, sequences: list[list[int]]) -> None:
+        self.runner.reset(len(sequences))
+        self.runner.num_forwards = 0
+
+    def prefill(self, sequences: list[list[int]]) -> None:
+        prefix = [s[:-1] for s in sequences]
+        if max(len(p) for p in prefix) > 0:
+            ids, valid = pending_block(prefix, self.runner.lengths)
+            self.runner.forward(ids, valid, logits_to_keep=1)
+
+    def propose(self, sequences, active, cap, ctx) -> "TreeProposal":
+        """The draft reads its pending tokens, then grows a tree no deeper than ``cap`` (at least
+        one layer)."""
+        draft, vocab = self.runner, self.drafter.vocab_size
+        config = self.config.capped(cap)
+        forwards_before = draft.num_forwards
+        pend_ids, pend_valid = pending_block(sequences, draft.lengths)
+        root_logits = draft.forward(pend_ids, pend_valid, logits_to_keep=1).logits[:, -1, :vocab]
+        roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
+        draft.begin_tree()
+
+        def expand(tokens, depths, mask, valid):
+            return draft.forward_tree(tokens, depths, mask, valid).logits
+
+        keys = None
+        if self.race is not None:  # [B, D + 1] noise of the positions after depth-0 … D nodes, by row id
+            keys = make_race_keys(
+                self.race.seed, ctx.extra["row_ids"].cpu().unsqueeze(1),
+                ctx.positions.cpu().unsqueeze(1) + torch.arange(config.tree_depth + 1),
+            )
+        tree = build_tree(
+            roots, root_logits, expand, config, self.sampling, ctx.generator, keep_raw=self.fuzzy is not None,
+            race_keys=None if keys is None or config.scheme != RACE_SCHEME else keys[:, :-1],
+        )
+        return TreeProposal(tree, keys, config.tree_depth, draft.num_forwards - forwards_before, self)
+
+
+class TreeProposal:
+    """One token tree per row (:class:`quickdraft.tree.TokenTree`, ``M`` nodes, root first).
+
+    Scored by one tree-masked target forward (:meth:`ModelRunner.forward_tree`; the root is the
+    target's only pending token), walked by :func:`verify_tree`, committed by keeping the walked
+    path in both runners (:meth:`ModelRunner.commit_tree`).
+    """
+
+    def __init__(self, tree: TokenTree, race_keys: torch.Tensor | None, depth: int, forwards: int,
+                 proposer: TreeProposer) -> None:
+        self.tree = tree
+        self.race_keys = race_keys  # [B, D + 1] ERSD's arrival-time keys, or None
+        self.depth = depth
+        self.forwards = forwards
+        self.proposer = proposer
+
+    def score(self, target: ModelRunner, sequences: list[list[int]]) -> torch.Tensor:
+        tree = self.tree
+        target.begin_tree()
+        return target.forward_tree(tree.tokens, tree.depths, tree.mask(), tree.valid).logits  # [B, M, V']
+
+    def verify(self, target_logits: torch.Tensor, ctx: VerifyContext, active: torch.Tensor) -> Walk:
+        proposer, tree = self.proposer, self.tree
+        target_logits = target_logits[:, :, : proposer.drafter.vocab_size]  # [B, M, V]
+        target_probs = logits_to_probs(target_logits, proposer.sampling)
+        raw_target = raw_probs(target_logits) if proposer.fuzzy is not None else None
+        result = verify_tree(
+            tree, target_probs, verifier=proposer.verifier, greedy=proposer.sampling.greedy, fuzzy=proposer.fuzzy,
+            raw_target_probs=raw_target, active=active, generator=ctx.generator, race_keys=self.race_keys,
+        )
+        b = tree.tokens.shape[0]
+        return Walk(
+            output_ids=result.output_ids, num_accepted=result.num_accepted, num_lossy=result.num_lossy,
+            drafted_depth=torch.full((b,), self.depth, dtype=torch.long), drafted_nodes=tree.valid[:, 1:].sum(dim=1),
+            path=result.path,
+        )
+
+    def commit(self, target, sequences, walk, seq_lens, active) -> None:
+        """The target keeps root + accepted nodes; the draft the accepted nodes it was fed."""
+        active = active.cpu()
+        kept = walk.num_accepted + 1
+        target.commit_tree(walk.path.clamp_min(0), torch.where(active, kept, 0))
+        node_slots = self.tree.draft_slot.gather(1, walk.path[:, 1:].clamp_min(0))  # [B, D]
+        on_path = torch.arange(node_slots.shape[1]).unsqueeze(0) < walk.num_accepted.unsqueeze(1)
+        fed_prefix = ((node_slots >= 0) & on_path).long().cumprod(dim=1).sum(dim=1)
+        self.proposer.runner.commit_tree(node_slots.clamp_min(0), torch.where(active, fed_prefix, 0))
+
+
 def generate_tree(
     target: ModelRunner,
     draft: ModelRunner,
@@ -217,135 +368,12 @@ def generate_tree(
     stop: Callable[[int, list[int]], int | None] | None = None,
     on_tokens: TokenCallback | None = None,
 ) -> GenerationOutput:
-    """Generate continuations of a batch of prompts with token-tree speculative decoding.
-
-    Inputs and outputs as :func:`quickdraft.engine.generate`; batched (``B ≥ 1``, every row has its
-    own dynamic tree with the same node count).
-
-    Parameters
-    ----------
-    target, draft:
-        The target's and the draft model's runners (same vocabulary).
-    config:
-        Tree shape and how children are drawn (:class:`quickdraft.tree.TreeConfig`). At
-        temperature 0 the ``topk`` scheme is used whatever ``config.scheme`` says.
-    verifier:
-        Step-level verifier at every node: ``"rrs"``, ``"kseq"``, ``"optimal_greedy"``
-        (ignored at temperature 0, where the walk follows the target's argmax).
-    rule:
-        ``None`` (or a lossless rule) for exact verification, :class:`quickdraft.rules.Fuzzy`
-        for FSD on trees, or :class:`quickdraft.rules.ExponentialRace` for ERSD on trees (see the
-        module docstring). ERSD verifies any tree losslessly; with ``config.scheme`` ``"topk"`` or
-        ``"race"`` the children are the race candidates (the ``race`` scheme), with a sampled
-        scheme they are drawn by that scheme.
-    """
-    check_prompts(prompts, int(target.model.config.vocab_size))
-    check_max_new_tokens(max_new_tokens)
-    fuzzy = rule if isinstance(rule, Fuzzy) else None
-    race = rule if isinstance(rule, ExponentialRace) else None
-    if rule is not None and not isinstance(rule, (Fuzzy, Greedy, Lossless, ExponentialRace)):
-        raise QuickdraftError(
-            f"rule {rule.name!r} is not supported on trees; use fsd or ersd, or none for the lossless tree walk"
-        )
-    greedy = sampling.greedy
-    if race is not None and (config.scheme == "topk" or (greedy and config.scheme in SCHEMES)):
-        config = dataclasses.replace(config, scheme=RACE_SCHEME)
-    elif greedy and config.scheme != "topk":
-        config = dataclasses.replace(config, scheme="topk")
-    if not greedy and race is None:
-        check_combination(config.scheme, verifier)
-    eos_ids = set(eos_token_ids or ())
-    vocab = int(target.model.config.vocab_size)
-    needed = max(len(p) for p in prompts) + max_new_tokens + config.tree_depth + 1
-    if needed > min(target.max_positions, draft.max_positions):
-        raise QuickdraftError(
-            f"context overflow: prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens ({max_new_tokens}) "
-            f"+ tree depth exceeds the models' maximum of {min(target.max_positions, draft.max_positions)} tokens"
-        )
-
-    b = len(prompts)
-    generator = torch.Generator().manual_seed(int(seed) if seed is not None else int(torch.seed() % (1 << 62)))
-    sequences = [list(p) for p in prompts]
-    new_ids: list[list[int]] = [[] for _ in range(b)]
-    metrics = [GenerationMetrics(prompt_tokens=len(p)) for p in prompts]
-    active = torch.ones(b, dtype=torch.bool)
-    finish = ["length"] * b
-    row_ids = torch.arange(b)  # stable ids keying ERSD's noise, as in quickdraft.engine.generate
-
-    # -- prefill: everything but each prompt's last token, in both models ----------------------
-    t0 = time.perf_counter()
-    for runner in (target, draft):
-        runner.reset(b)
-        runner.num_forwards = 0
-        prefix = [s[:-1] for s in sequences]
-        if max(len(p) for p in prefix) > 0:
-            ids, valid = pending_block(prefix, runner.lengths)
-            runner.forward(ids, valid, logits_to_keep=1)
-    prefilled = int(max(len(p) for p in prompts) > 1)
-    for m in metrics:
-        m.target_forwards += prefilled
-    prefill_seconds = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    total_draft_forwards = 0
-    full_config = config
-    while active.any():
-        # 1. draft: the draft reads its pending tokens, then grows a tree no deeper than the longest
-        # active row's budget after the bonus token (at least one layer)
-        live = active.tolist()
-        config = full_config.capped(max(max_new_tokens - len(new_ids[r]) for r in range(b) if live[r]) - 1)
-        forwards_before = draft.num_forwards
-        pend_ids, pend_valid = pending_block(sequences, draft.lengths)
-        root_logits = draft.forward(pend_ids, pend_valid, logits_to_keep=1).logits[:, -1, :vocab]
-        roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
-        draft.begin_tree()
-
-        def expand(tokens, depths, mask, valid):
-            return draft.forward_tree(tokens, depths, mask, valid).logits
-
-        keys = None
-        if race is not None:  # [B, D + 1] noise of the positions after depth-0 … D nodes, by row id
-            positions = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-            keys = make_race_keys(
-                race.seed, row_ids.unsqueeze(1), positions.unsqueeze(1) + torch.arange(config.tree_depth + 1)
-            )
-        tree = build_tree(
-            roots, root_logits, expand, config, sampling, generator, keep_raw=fuzzy is not None,
-            race_keys=None if keys is None or config.scheme != RACE_SCHEME else keys[:, :-1],
-        )
-        step_draft_forwards = draft.num_forwards - forwards_before
-        total_draft_forwards += step_draft_forwards
-        # 2. verify: one target forward over all nodes (the root is the target's only pending token)
-        target.begin_tree()
-        out = target.forward_tree(tree.tokens, tree.depths, tree.mask(), tree.valid)
-        target_logits = out.logits[:, :, :vocab]  # [B, M, V]
-        target_probs = logits_to_probs(target_logits, sampling)
-        raw_target = raw_probs(target_logits) if fuzzy is not None else None
-        # 3. accept
-        result = verify_tree(
-            tree, target_probs, verifier=verifier, greedy=greedy, fuzzy=fuzzy, raw_target_probs=raw_target,
-            active=active, generator=generator, race_keys=keys,
-        )
-        # 4. commit: the target keeps root + accepted nodes; the draft the accepted nodes it was fed
-        kept = result.num_accepted + 1
-        target.commit_tree(result.path.clamp_min(0), torch.where(active, kept, 0))
-        node_slots = tree.draft_slot.gather(1, result.path[:, 1:].clamp_min(0))  # [B, D]
-        on_path = torch.arange(node_slots.shape[1]).unsqueeze(0) < result.num_accepted.unsqueeze(1)
-        fed_prefix = ((node_slots >= 0) & on_path).long().cumprod(dim=1).sum(dim=1)
-        draft.commit_tree(node_slots.clamp_min(0), torch.where(active, fed_prefix, 0))
-        for row in range(b):
-            if not active[row]:
-                continue
-            n = int(result.num_accepted[row])
-            emitted = result.output_ids[row, : n + 1].tolist()
-            m = metrics[row]
-            m.target_forwards += 1
-            m.draft_forwards += step_draft_forwards
-            m.record_step(config.tree_depth, n, int(result.num_lossy[row]))
-            m.drafted_tokens += int(tree.valid[row, 1:].sum()) - config.tree_depth
-            if not append_emitted(row, emitted, new_ids, sequences, finish, max_new_tokens, eos_ids, stop, on_tokens):
-                active[row] = False
-    decode_seconds = time.perf_counter() - t1
-
-    return finish_output(new_ids, metrics, finish, prefill_seconds, decode_seconds,
-                         target.num_forwards, total_draft_forwards)
+    """Generate continuations of a batch of prompts with token-tree speculative decoding:
+    :func:`quickdraft.engine.generate` with method ``"tree"`` and a :class:`TreeDrafter` over
+    ``draft`` (``config``, ``verifier``); the other parameters are :func:`generate`'s."""
+    return generate(
+        target, prompts, method="tree",
+        drafter=TreeDrafter(draft, int(target.model.config.vocab_size), config, verifier),
+        rule=rule, sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_token_ids=eos_token_ids,
+        stop=stop, on_tokens=on_tokens,
+    )

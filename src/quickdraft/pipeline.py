@@ -13,13 +13,15 @@ from typing import Callable
 import torch
 
 from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
-from quickdraft.engine import GenerationOutput, Method, generate
+from quickdraft.engine import Method, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.policies import Constant, Policy
 from quickdraft.rules import Rule
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams
+from quickdraft.tree import TreeConfig
+from quickdraft.tree_decoding import TreeDrafter
 
 
 #: end-of-turn / end-of-text markers of common chat models (Qwen, Llama 3, Phi)
@@ -81,9 +83,9 @@ class Pipeline:
         cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
         backend: str = "torch", quantize: str = "auto", quantize_draft: str | None = None,
         pack: bool | None = None, draft_dtype: str | None = None, exact: bool = False,
+        draft_vocab: int | None = None,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
-        draft_vocab: int | None = None,
 
         ``backend="auto"`` is :func:`quickdraft.backends.resolve_backend`'s choice (``openvino`` where
         it is installed, else ``torch``). ``backend="llamacpp"`` runs both models' GGUF files through llama.cpp
@@ -102,11 +104,11 @@ class Pipeline:
         draft's dtype (:func:`quickdraft.models.resolve_draft_dtype`). ``exact`` (openvino, llamacpp) runs
         the models with batch-invariant arithmetic, so that greedy speculative output equals plain
         greedy output token for token (:class:`quickdraft.backends.openvino.OpenVINORunner`).
-        """
-        from quickdraft.backends import BACKEND_NAMES, resolve_backend
         ``draft_vocab`` (openvino) exports the draft with a head over that many token ids only
         (:func:`quickdraft.backends.openvino.export.draft_vocab_ids`): each draft forward reads fewer
         bytes, the drafter proposes from that subset, and every lossless method stays lossless.
+        """
+        from quickdraft.backends import BACKEND_NAMES, resolve_backend
         from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
         from quickdraft.quant import QUANTIZE_NAMES, quantize_by_name
 
@@ -120,10 +122,10 @@ class Pipeline:
                 raise QuickdraftError(f"unknown {what} {name!r}; choose one of auto, {', '.join(QUANTIZE_NAMES)}")
         quantize = resolve_quantize(backend, quantize)
         quantize_draft = resolve_quantize(backend, quantize_draft)
-        if backend == "openvino":
-            return cls._from_openvino(target, draft, quantize, quantize_draft, exact, draft_vocab)
         if draft_vocab is not None and backend != "openvino":
             raise QuickdraftError(f"a draft vocabulary (--draft-vocab) is implemented for the openvino backend, not {backend}")
+        if backend == "openvino":
+            return cls._from_openvino(target, draft, quantize, quantize_draft, exact, draft_vocab)
         if backend == "llamacpp":
             if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
@@ -232,7 +234,10 @@ class Pipeline:
     #: nothing there), two tokens or more for ``ngram_sd`` (a miss costs a draft-model step)
     NGRAM_DEFAULTS = {"ngram": (1, 3), "ngram_sd": (2, 4)}
 
-    def drafter_for(self, method: str, ngram: tuple[int, int] | None = None, lookup_k: int = 8):
+    def drafter_for(self, method: str, ngram: tuple[int, int] | None = None, lookup_k: int = 8,
+                    tree: TreeConfig | None = None, verifier: str = "rrs"):
+        """The drafter of ``method`` (``None`` for ``ar``); ``tree`` and ``verifier`` shape the
+        ``tree`` method's trees (default :class:`TreeConfig`)."""
         ngram_min, ngram_max = ngram or self.NGRAM_DEFAULTS.get(method, (1, 3))
         if method == "ngram":
             return NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min)
@@ -240,6 +245,8 @@ class Pipeline:
             return None
         if self.draft is None:
             raise QuickdraftError(f"method {method!r} needs a draft model (--draft)")
+        if method == "tree":
+            return TreeDrafter(self.draft, self.vocab_size, tree or TreeConfig(), verifier)
         if method == "ngram_sd":
             return NGramModelDrafter(
                 NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min),
@@ -263,7 +270,7 @@ class Pipeline:
         chat: bool | None = None,
         on_text: Callable[[int, str], None] | None = None,
         prompt_ids: list[list[int]] | None = None,
-        tree=None,
+        tree: TreeConfig | None = None,
         verifier: str = "rrs",
         ngram: tuple[int, int] | None = None,
         lookup_k: int = 8,
@@ -315,32 +322,20 @@ class Pipeline:
                 on_text(row, text[printed[row]:])
                 printed[row] = len(text)
 
-        if method == "tree":  # token trees (quickdraft.tree_decoding); tree: a TreeConfig
-            from quickdraft.tree import TreeConfig
-            from quickdraft.tree_decoding import generate_tree
-
-            if self.draft is None:
-                raise QuickdraftError("method 'tree' needs a draft model (--draft)")
-            out: GenerationOutput = generate_tree(
-                self.target, self.draft, ids, config=tree or TreeConfig(), verifier=verifier, rule=rule,
-                sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_token_ids=self.eos_ids(),
-                stop=stop if stop_strings else None, on_tokens=on_tokens,
-            )
-        else:
-            out = generate(
-                self.target,
-                ids,
-                method=method,
-                drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k),
-                rule=rule,
-                policy=policy or Constant(k),
-                sampling=sampling,
-                max_new_tokens=max_new_tokens,
-                seed=seed,
-                eos_token_ids=self.eos_ids(),
-                stop=stop if stop_strings else None,
-                on_tokens=on_tokens,
-            )
+        out = generate(
+            self.target,
+            ids,
+            method=method,
+            drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier),
+            rule=rule,
+            policy=policy or Constant(k),
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            eos_token_ids=self.eos_ids(),
+            stop=stop if stop_strings else None,
+            on_tokens=on_tokens,
+        )
         completions = []
         for row, seq in enumerate(out.sequences):
             texts[row] = _cut_at_stop(decode(seq), stop_strings)

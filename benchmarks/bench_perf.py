@@ -17,7 +17,8 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 * ``ovgenai-int8-anchor``  OpenVINO GenAI's own plain decoding of the same int8 target weights;
   ``ovgenai-int8-sd`` / ``-sdN``: its own speculative decoding with the int8 draft, ``num_assistant_tokens``
   = K (:func:`anchors.openvino_genai_generate`)
-* a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``; ``ngram`` /
+* a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``; ``sdc`` / ``sdcN``
+  (and ``ngram_sdc``…): at most that many, under the :class:`Confidence` policy (``--p-min``); ``ngram`` /
   ``ngramN``: prompt lookup (no draft model), n-grams of ``--ngram-min`` to 3 tokens; ``ngram_sd`` /
   ``ngram_sdN``: prompt lookup (2-4-grams, ``--lookup-k`` tokens) where it matches, else the draft model
 
@@ -75,12 +76,21 @@ def openvino_weights(label: str) -> tuple[str, int | None]:
 def parse_config(config: str) -> tuple[str, str, int | None]:
     """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8)."""
     key, method = config.rsplit("-", 1)
-    m = re.fullmatch(r"(ar|sd|ngram_sd|ngram)(\d*)|anchor", method)
+    m = re.fullmatch(r"(ar|sd|ngram_sd|ngram)(c?)(\d*)|anchor", method)
     if m is None:
-        raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, ngram, ngramN, ngram_sd, ngram_sdN or anchor")
+        raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, sdcN, ngram, ngramN, ngram_sd, ngram_sdN, "
+                         "ngram_sdcN or anchor")
     if method == "anchor":
         return key, "anchor", None
-    return key, m.group(1), int(m.group(2)) if m.group(2) else None
+    return key, m.group(1) + m.group(2), int(m.group(3)) if m.group(3) else None
+
+
+def policy_of(method: str, k: int, p_min: float):
+    """The draft-length policy of a parsed method: a trailing ``c`` is :class:`Confidence` (at most
+    ``k`` tokens, stop below ``p_min``), otherwise :class:`Constant` ``k``."""
+    from quickdraft.policies import Confidence
+
+    return Confidence(max_k=k, p_min=p_min) if method.endswith("c") else Constant(k)
 
 
 def own_ar(config: str) -> str:
@@ -295,7 +305,9 @@ def run(args: argparse.Namespace) -> dict:
             return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
         runners = [r for r in (pipe.target, pipe.draft) if hasattr(r, "infer_seconds")]
         infer_before = sum(r.infer_seconds for r in runners)
-        out = pipe.generate([""], prompt_ids=[ids], method=method, policy=Constant(k or args.k), sampling=sampling,
+        policy = policy_of(method, k or args.k, args.p_min)
+        method = method.removesuffix("c")
+        out = pipe.generate([""], prompt_ids=[ids], method=method, policy=policy, sampling=sampling,
                             max_new_tokens=max_new, seed=seed,
                             ngram=(args.ngram_min, 3) if method == "ngram" else None, lookup_k=args.lookup_k)
         m = out.metrics
@@ -388,7 +400,7 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                 entry["engine_ms_per_step"] = 1000 * sum(r["engine_seconds"] for r in sel) / sum(r["steps"] for r in sel)
             for other in genai_sd:  # OpenVINO GenAI's own speculative decoding, the bar to beat
                 entry[f"x_{other}"] = entry["tokens_per_second"] / tps(other)
-            if parse_config(config)[1] in ("sd", "ngram", "ngram_sd"):
+            if parse_config(config)[1].removesuffix("c") in ("sd", "ngram", "ngram_sd"):
                 ar = own_ar(config)
                 if ar in configs:
                     entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)
@@ -469,6 +481,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram the ngram method matches")
     parser.add_argument("--lookup-k", type=int, default=8, help="tokens an ngram_sd lookup step copies")
+    parser.add_argument("--p-min", type=float, default=0.4, help="the Confidence policy's threshold (methods sdc, ngram_sdc)")
     parser.add_argument("--base-dtype", default="auto",
                         help="dtype of the activations, norms and embeddings of int8/int4 models (auto: bf16 only "
                         "where the CPU computes in it natively, else float32)")

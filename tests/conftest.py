@@ -129,6 +129,20 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
+def exact_triples(model, prompt: list[int], params) -> np.ndarray:
+    """``p(t1) p(t2 | t1) p(t3 | t1, t2)`` of ``model`` after ``prompt`` under sampling ``params``,
+    ``[V, V, V]`` (for small vocabularies: one batched forward over all ``V²`` two-token contexts)."""
+    from quickdraft.sampling import logits_to_probs
+
+    v = model.config.vocab_size
+    with torch.no_grad():
+        p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params).double()  # [V]
+        p2 = logits_to_probs(model(torch.tensor([prompt + [a] for a in range(v)])).logits[:, -1], params).double()
+        ctx3 = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])
+        p3 = logits_to_probs(model(ctx3).logits[:, -1], params).double().view(v, v, v)
+    return (p1.view(v, 1, 1) * p2.view(v, v, 1) * p3).numpy()
+
+
 def tree_pair_counts(
     tree, p1: torch.Tensor, p2: torch.Tensor, verifier: str, generator: torch.Generator
 ) -> tuple[np.ndarray, int]:

@@ -12,9 +12,9 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.policies import Constant
 from quickdraft.rules import Greedy, Lossless
 from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs
+from quickdraft.sampling import SamplingParams, logits_to_probs, sample
 
-from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, tiny_lm
+from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, exact_triples, tiny_lm
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 
@@ -120,6 +120,46 @@ def test_ngram_sd_sampling_matches_the_target(tiny_target):
             return torch.ones_like(draft_ids, dtype=torch.bool), None
 
     assert _chi_square_pvalue(run(AcceptAll()), exact) < 1e-6
+
+
+def test_ngram_sampling_matches_the_target(one_thread):
+    """Plain prompt lookup at T = 0.9 on a vocabulary-8 pair: the prompt ends with a repeated
+    bigram, so the first step verifies a copied (one-hot) draft of two tokens, later steps copy
+    what matches or draft nothing. 10,000 rows generate three tokens, which follow the target's
+    exact law (512 cells, chi-square p > 1e-4). Two broken rules fail the same test (p < 1e-6):
+    accepting every copied token, and recovering a rejected copy from the target instead of the
+    residual (the target with the copied token removed), the bug a one-hot draft invites."""
+    v, n = 8, 10_000
+    model = tiny_lm(seed=31, vocab=v, max_positions=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    params = SamplingParams(temperature=0.9)
+    prompt = [5, 4, 7, 5, 4]  # copies 7 (target probability 0.53), then 5 (0.32 after the 7)
+    exact = exact_triples(model, prompt, params)
+    target = ModelRunner(model)
+
+    def run(rule):
+        out = generate(target, [prompt] * n, method="ngram", drafter=NGramDrafter(v, max_ngram=2, min_ngram=2),
+                       rule=rule, policy=Constant(3), sampling=params, max_new_tokens=3, seed=17)
+        seqs = np.array(out.sequences)
+        counts = np.zeros((v, v, v))
+        np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
+        return counts, out.batch_metrics
+
+    counts, metrics = run(Lossless())
+    assert n // 10 < metrics.accepted_tokens < metrics.drafted_tokens  # copies accepted and rejected
+    assert _chi_square_pvalue(counts, exact) > 1e-4
+
+    class AcceptAll(Lossless):
+        def accept(self, draft_ids, draft_probs, target_probs, ctx):
+            return torch.ones_like(draft_ids, dtype=torch.bool), None
+
+    class RecoverFromTarget(Lossless):
+        def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
+            return sample(target_probs, ctx.generator)
+
+    assert _chi_square_pvalue(run(AcceptAll())[0], exact) < 1e-6
+    assert _chi_square_pvalue(run(RecoverFromTarget())[0], exact) < 1e-6
 
 
 def test_ngram_sd_rejects_a_bad_lookup_length(tiny_draft):

@@ -25,9 +25,9 @@ from quickdraft.policies import (
 )
 from quickdraft.rules import Lossless
 from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs
+from quickdraft.sampling import SamplingParams
 
-from conftest import TINY_VOCAB, chi_square_pvalue, perturbed_copy, tiny_lm
+from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm
 from test_engine import PROMPTS
 
 #: the vocabulary of the goodness-of-fit models (three tokens: 512 cells)
@@ -316,17 +316,6 @@ def small_pair():
     return target, perturbed_copy(target, scale=0.5, seed=22)
 
 
-def _exact_triples(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    """``p(t1) p(t2 | t1) p(t3 | t1, t2)`` of ``model`` after ``prompt`` under ``params``, ``[V, V, V]``."""
-    v = SMALL_V
-    with torch.no_grad():
-        p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params).double()  # [V]
-        p2 = logits_to_probs(model(torch.tensor([prompt + [a] for a in range(v)])).logits[:, -1], params).double()
-        ctx3 = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])
-        p3 = logits_to_probs(model(ctx3).logits[:, -1], params).double().view(v, v, v)
-    return (p1.view(v, 1, 1) * p2.view(v, v, 1) * p3).numpy()
-
-
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("name", [name for name, _ in ADAPTIVE])
 def test_sampling_with_an_adaptive_policy_matches_the_target(small_pair, name):
@@ -341,7 +330,7 @@ def test_sampling_with_an_adaptive_policy_matches_the_target(small_pair, name):
     target_model, draft_model = small_pair
     params = SamplingParams(temperature=0.8)
     prompt, batches, rows = [1, 2, 3], 6, 1_000
-    exact = _exact_triples(target_model, prompt, params)
+    exact = exact_triples(target_model, prompt, params)
     target = ModelRunner(target_model)
 
     def run(drafter_cls):

@@ -43,7 +43,7 @@ from quickdraft.sampling import SamplingParams, logits_to_probs
 from quickdraft.tree import TokenTree, TreeConfig, build_tree
 from quickdraft.tree_decoding import generate_tree
 
-from conftest import chi_square_pvalue, perturbed_copy, tiny_lm, tree_pair_counts
+from conftest import chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, tree_pair_counts
 
 V = 8
 N = 100_000
@@ -174,23 +174,12 @@ def small_pair():
     return target, perturbed_copy(target, scale=0.5, seed=12)
 
 
-def _exact_triples(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    """``p(t1) p(t2 | t1) p(t3 | t1, t2)`` of ``model`` after ``prompt``, ``[V, V, V]``."""
-    with torch.no_grad():
-        p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params).double()  # [V]
-        ctx2 = torch.tensor([prompt + [a] for a in range(V)])
-        p2 = logits_to_probs(model(ctx2).logits[:, -1], params).double()  # [V, V]
-        ctx3 = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-        p3 = logits_to_probs(model(ctx3).logits[:, -1], params).double().view(V, V, V)
-    return (p1.view(V, 1, 1) * p2.view(V, V, 1) * p3).numpy()
-
-
 def _lost_second_token_triples(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
     """The law a compaction bug that loses the second token's KV slot would give:
     ``p(t1) p(t2 | t1) p(t3 | t1)``, ``[V, V, V]`` (power check of the whole-loop test)."""
     with torch.no_grad():
         p3 = logits_to_probs(model(torch.tensor([prompt + [a] for a in range(V)])).logits[:, -1], params).double()
-    return _exact_triples(model, prompt, params).sum(axis=2, keepdims=True) * p3.numpy()[:, None, :]
+    return exact_triples(model, prompt, params).sum(axis=2, keepdims=True) * p3.numpy()[:, None, :]
 
 
 @pytest.mark.parametrize("scheme, verifier, params", [
@@ -211,7 +200,7 @@ def test_generate_tree_three_token_law(small_pair, scheme, verifier, params):
     assert out.batch_metrics.accepted_tokens > N_LOOP // 4  # the walk does go down the trees
     counts = np.zeros((V, V, V))
     np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
-    pvalue = chi_square_pvalue(counts, _exact_triples(target, prompt, params))
+    pvalue = chi_square_pvalue(counts, exact_triples(target, prompt, params))
     assert pvalue > P_PASS, f"{scheme}/{verifier}: chi-square p = {pvalue:.2e}"
     # negative control: the same counts reject the law of a loop that lost the second token's KV
     assert chi_square_pvalue(counts, _lost_second_token_triples(target, prompt, params)) < P_FAIL
@@ -237,7 +226,7 @@ def test_generate_tree_depth3_sampled_trees_three_token_law(small_pair, scheme, 
     assert deep > n // 20, deep
     counts = np.zeros((V, V, V))
     np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
-    pvalue = chi_square_pvalue(counts, _exact_triples(target, prompt, params))
+    pvalue = chi_square_pvalue(counts, exact_triples(target, prompt, params))
     assert pvalue > P_PASS, f"{scheme}/{verifier} depth 3: chi-square p = {pvalue:.2e}"
     assert chi_square_pvalue(counts, _lost_second_token_triples(target, prompt, params)) < P_FAIL
 

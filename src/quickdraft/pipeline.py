@@ -212,6 +212,14 @@ class Pipeline:
         return list(ids)
 
     def eos_ids(self) -> set[int]:
+        """The ids that end a generation: the tokenizer's and the generation config's end-of-sequence
+        ids and the chat end-of-turn markers the tokenizer knows as special tokens (computed once:
+        reading the vocabulary costs ~0.2 s on a 151k-token tokenizer)."""
+        if getattr(self, "_eos_ids", None) is None:
+            self._eos_ids = frozenset(self._find_eos_ids())
+        return set(self._eos_ids)
+
+    def _find_eos_ids(self) -> set[int]:
         ids: set[int] = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))

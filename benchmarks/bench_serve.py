@@ -10,7 +10,10 @@ same way; otherwise that row is skipped with the reason printed and recorded.
 Per row: requests, completion tokens, wall time, throughput (completion tokens / wall time),
 time to first token and inter-token latency (``(t_last - t_first) / (tokens - 1)`` per request,
 from the arrival times of the streamed chunks; a speculative step streams several tokens in one
-chunk), mean, p50 and p90, and the mean acceptance length the server reported.
+chunk), mean, p50 and p90, and the mean acceptance length the server reported. Completion tokens
+are the ``usage`` the server streams; llama-cpp-python's server streams none, so there they are the
+streamed chunks (one per token; ``token_count`` in a row says which). A stream that is cut (no
+``finish_reason`` or no ``[DONE]``) or drops its connection counts as a failed request.
 
     python benchmarks/bench_serve.py --out benchmarks/results/serve.json
     python benchmarks/bench_serve.py --tiny --requests 4 --max-tokens 16 --out benchmarks/results/serve_smoke.json
@@ -66,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default: /v1/completions)")
     p.add_argument("--gguf", default=None, help="target GGUF for the llama.cpp row (default: the cache's)")
+    p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1,
+                   help="--n_threads/--n_threads_batch of the llama.cpp server (default: all cores)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for one row")
     p.add_argument("--label", default=None, help="recorded as is (e.g. 'smoke run')")
     p.add_argument("--out", default="benchmarks/results/serve.json")
@@ -181,29 +186,59 @@ class ServerProcess:
         self.log.close()
 
 
-def one_request(url: str, body: dict, chat: bool) -> dict:
-    """Stream one completion; returns arrival times and counts."""
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    t0 = time.perf_counter()
+def parse_stream(lines, chat: bool, clock) -> dict:
+    """Read one streamed completion (SSE ``data:`` lines); ``clock()`` is the time since the request.
+
+    Completion tokens are the ``usage`` the server reported (``stream_options.include_usage``) or, if
+    it reported none (llama-cpp-python's server ignores ``stream_options``: its streams carry no
+    ``usage``), the number of chunks that carried text: that server streams one chunk per generated
+    token (several only where a UTF-8 character spans tokens, so the count is then a lower bound).
+    A stream that ends before ``data: [DONE]`` or without a ``finish_reason`` (llama-cpp-python's
+    server, with ``interrupt_requests`` on, cuts a stream when another request arrives: one token,
+    then ``[DONE]``, then the connection is dropped) is an error, not a short completion.
+    """
     stamps: list[float] = []
     usage, extra, error = None, None, None
-    with httpx.stream("POST", url + path, json=body, timeout=600) as r:
-        if r.status_code != 200:
-            return {"error": f"HTTP {r.status_code}: {r.read().decode()[:200]}"}
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                error = chunk["error"]
-            for c in chunk.get("choices") or []:
-                text = (c.get("delta") or {}).get("content") if chat else c.get("text")
-                if text:
-                    stamps.append(time.perf_counter() - t0)
-            usage = chunk.get("usage") or usage
-            extra = chunk.get("quickdraft") or extra
-    tokens = (usage or {}).get("completion_tokens")
-    return {"error": error, "stamps": stamps, "tokens": tokens, "quickdraft": extra, "seconds": time.perf_counter() - t0}
+    text_chunks, finished, done = 0, False, False
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            error = chunk["error"]
+        for c in chunk.get("choices") or []:
+            text = (c.get("delta") or {}).get("content") if chat else c.get("text")
+            if text:
+                stamps.append(clock())
+                text_chunks += 1
+            finished = finished or c.get("finish_reason") is not None
+        usage = chunk.get("usage") or usage
+        extra = chunk.get("quickdraft") or extra
+    if error is None and not done:
+        error = "stream ended before data: [DONE]"
+    elif error is None and not finished:
+        error = "stream cut: [DONE] without a finish_reason"
+    reported = (usage or {}).get("completion_tokens")
+    return {"error": error, "stamps": stamps, "tokens": reported if reported is not None else text_chunks,
+            "token_count": "usage" if reported is not None else "chunks", "quickdraft": extra}
+
+
+def one_request(url: str, body: dict, chat: bool) -> dict:
+    """Stream one completion; returns arrival times and counts (a transport error is an error)."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    t0 = time.perf_counter()
+    try:
+        with httpx.stream("POST", url + path, json=body, timeout=600) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {r.read().decode()[:200]}"}
+            res = parse_stream(r.iter_lines(), chat, lambda: time.perf_counter() - t0)
+    except httpx.HTTPError as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {**res, "seconds": time.perf_counter() - t0}
 
 
 def summary(values: list[float]) -> dict:
@@ -258,7 +293,8 @@ def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests
     return {
         "concurrency": concurrency, "requests": requests, "failed": len(results) - len(ok),
         "errors": sorted({str(r["error"])[:200] for r in results if r.get("error")}),
-        "completion_tokens": tokens, "wall_seconds": wall, "throughput_tokens_per_second": tokens / wall if wall else 0.0,
+        "completion_tokens": tokens, "token_count": sorted({r["token_count"] for r in ok}),
+        "wall_seconds": wall, "throughput_tokens_per_second": tokens / wall if wall else 0.0,
         "ttft_seconds": summary(ttft), "itl_seconds": summary(itl),
         "mean_acceptance_length": statistics.fmean(mal) if mal else None,
     }
@@ -267,6 +303,17 @@ def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests
 def save(path: Path, record: dict) -> None:
     """Write the results so far (after every row: a crash keeps what was measured)."""
     path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def llamacpp_argv(gguf: str, port: int, threads: int, n_ctx: int = 4096) -> list[str]:
+    """``python -m llama_cpp.server`` on ``gguf``. ``--interrupt_requests False``: by default that server
+    cuts the running stream whenever another request is waiting (one token, ``[DONE]``, connection
+    dropped), so concurrent clients would measure cut streams; with it off, requests queue as they do
+    in llama-server. Threads as the quickdraft server's (all cores; llama-cpp-python's default
+    decodes on half of them)."""
+    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--interrupt_requests", "False"]
 
 
 def llamacpp_unavailable(gguf: str | None) -> tuple[str | None, str | None]:
@@ -343,8 +390,7 @@ def main() -> None:
         record["rows"].append({"server": "llama-cpp-python", "skipped": reason})
     else:
         lport = free_port()
-        largv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(lport),
-                 "--n_ctx", "4096"]
+        largv = llamacpp_argv(gguf, lport, args.llamacpp_threads)
         record["llamacpp_command"] = " ".join(shlex.quote(a) for a in largv)
         print(f"starting: {record['llamacpp_command']}", flush=True)
         try:

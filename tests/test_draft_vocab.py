@@ -154,3 +154,13 @@ def test_a_draft_vocabulary_is_an_openvino_setting():
 
     with pytest.raises(QuickdraftError, match="openvino backend"):
         Pipeline.from_specs("target", "draft", backend="torch", draft_vocab=1000)
+
+
+def test_cli_rejects_a_draft_vocabulary_off_openvino():
+    from typer.testing import CliRunner
+
+    from quickdraft.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "hi", "--backend", "torch", "--draft-vocab", "1000"])
+    assert result.exit_code != 0
+    assert "openvino backend" in result.output

@@ -155,6 +155,8 @@ def serve(
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     quantize: str = typer.Option("auto", help="Weights: auto, none, int8 or int4 (as for `generate`)."),
     quantize_draft: Optional[str] = typer.Option(None, help="Override --quantize for the draft alone."),
+    draft_vocab: Optional[int] = typer.Option(
+        None, "--draft-vocab", help="openvino: the draft's head keeps only this many token ids (as for `generate`)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in /v1/models (default: --target)."),
@@ -204,7 +206,7 @@ def serve(
             raise QuickdraftError(f"the default method {method!r} needs a draft model: give --draft or --method ar/ngram")
         pipe = Pipeline.from_specs(
             target, use_draft, dtype=dtype, backend=backend, quantize=quantize, quantize_draft=quantize_draft,
-            draft_dtype=draft_dtype,
+            draft_dtype=draft_dtype, draft_vocab=draft_vocab if use_draft else None,
         )
         if head is not None and backend == "torch" and pipe.draft_model is not None:
             from quickdraft.policies import SpecDecPP

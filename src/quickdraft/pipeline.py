@@ -243,24 +243,26 @@ class Pipeline:
     NGRAM_DEFAULTS = {"ngram": (1, 3), "ngram_sd": (2, 4)}
 
     def drafter_for(self, method: str, ngram: tuple[int, int] | None = None, lookup_k: int = 8,
-                    tree: TreeConfig | None = None, verifier: str = "rrs"):
-        """The drafter of ``method`` (``None`` for ``ar``); ``tree`` and ``verifier`` shape the
-        ``tree`` method's trees (default :class:`TreeConfig`)."""
+                    tree: TreeConfig | None = None, verifier: str = "rrs", draft: ModelRunner | None = None):
+        """The drafter of ``method`` (``None`` for ``ar``) over ``draft`` (default: this pipeline's
+        draft runner); ``tree`` and ``verifier`` shape the ``tree`` method's trees (default
+        :class:`TreeConfig`)."""
         ngram_min, ngram_max = ngram or self.NGRAM_DEFAULTS.get(method, (1, 3))
+        draft = draft if draft is not None else self.draft
         if method == "ngram":
             return NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min)
         if method == "ar":
             return None
-        if self.draft is None:
+        if draft is None:
             raise QuickdraftError(f"method {method!r} needs a draft model (--draft)")
         if method == "tree":
-            return TreeDrafter(self.draft, self.vocab_size, tree or TreeConfig(), verifier)
+            return TreeDrafter(draft, self.vocab_size, tree or TreeConfig(), verifier)
         if method == "ngram_sd":
             return NGramModelDrafter(
                 NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min),
-                ModelDrafter(self.draft, self.vocab_size), lookup_k=lookup_k,
+                ModelDrafter(draft, self.vocab_size), lookup_k=lookup_k,
             )
-        return ModelDrafter(self.draft, self.vocab_size)
+        return ModelDrafter(draft, self.vocab_size)
 
     # -- generation ------------------------------------------------------------------------------
     def generate(

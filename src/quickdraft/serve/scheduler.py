@@ -29,7 +29,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
 from quickdraft.engine import Decoder
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
@@ -303,18 +302,9 @@ class Scheduler:
         else:
             target, draft = pipe.target, pipe.draft
         method = spec.engine_method
-        ngram_min, ngram_max = pipe.NGRAM_DEFAULTS.get(method, (1, 3))
-        if method == "ar":
-            drafter = None
-        elif method == "ngram":
-            drafter = NGramDrafter(pipe.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min)
-        elif draft is None:
+        if draft is None and method not in ("ar", "ngram"):
             raise QuickdraftError(f"method {key.settings.method!r} needs a draft model; this server has none")
-        elif method == "ngram_sd":
-            drafter = NGramModelDrafter(NGramDrafter(pipe.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min),
-                                        ModelDrafter(draft, pipe.vocab_size), lookup_k=self.lookup_k)
-        else:
-            drafter = ModelDrafter(draft, pipe.vocab_size)
+        drafter = pipe.drafter_for(method, lookup_k=self.lookup_k, draft=draft)
         batch = _Batch(key, None)  # type: ignore[arg-type]
         batch.decoder = Decoder(
             target, [], method=method, drafter=drafter, rule=spec.rule, policy=spec.policy, sampling=key.sampling,

@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from quickdraft.divergences import get_divergence
-from quickdraft.drafters import pending_block
+from quickdraft.drafters import ModelDrafter, pending_block
 from quickdraft.engine import GenerationOutput, TokenCallback, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.multidraft_proposals import sample_rows
@@ -265,18 +265,16 @@ class TreeProposer:
         self.verifier = verifier
         self.sampling = sampling
         self.runner = drafter.runner
+        self.model = ModelDrafter(drafter.runner, drafter.vocab_size)  # the draft model's batch and prefill
         self.room = config.tree_depth + 1
         self.max_positions = drafter.runner.max_positions
 
     def start(self, sequences: list[list[int]]) -> None:
-        self.runner.reset(len(sequences))
+        self.model.start(sequences)
         self.runner.num_forwards = 0
 
     def prefill(self, sequences: list[list[int]]) -> None:
-        prefix = [s[:-1] for s in sequences]
-        if max(len(p) for p in prefix) > 0:
-            ids, valid = pending_block(prefix, self.runner.lengths)
-            self.runner.forward(ids, valid, logits_to_keep=1)
+        self.model.prefill(sequences)
 
     def propose(self, sequences, active, cap, ctx) -> "TreeProposal":
         """The draft reads its pending tokens, then grows a tree no deeper than ``cap`` (at least

@@ -40,6 +40,7 @@ def _run(*args: str):
         (["--method", "sd", "--drafts", "greedy"], "applies to fsd and typical"),
         (["--method", "fsd", "--hybrid", "--drafts", "greedy"], "sampled drafts"),
         (["--method", "fsd", "--divergence", "topk_js", "--divergence-top-k", "0"], "top_k"),
+        (["--method", "fsd", "--divergence", "topp_js", "--divergence-top-p", "1.5"], "top_p"),
     ],
 )
 def test_bad_arguments_give_one_clear_line_and_exit_code_2(args, needle):

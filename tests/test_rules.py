@@ -21,7 +21,7 @@ import pytest
 import scipy.stats
 import torch
 
-from quickdraft.divergences import DIVERGENCES, js
+from quickdraft.divergences import DIVERGENCES, get_divergence, jsd
 from quickdraft.errors import QuickdraftError
 from quickdraft.rules import (
     Fuzzy,
@@ -326,7 +326,7 @@ def two_point(a: float) -> torch.Tensor:
 
 
 def fsd_case():
-    """One row, K = 3, with JS divergences 0, ~0.22, 0 (V = 4)."""
+    """One row, K = 3, with textbook JS divergences (``jsd``) 0, ~0.22, 0 (V = 4)."""
     draft = torch.stack([two_point(0.5), torch.tensor([0.2, 0.5, 0.3, 0]), two_point(0.5)]).unsqueeze(0)
     target = torch.stack([two_point(0.5), torch.tensor([0.0, 0.1, 0.9, 0]), two_point(0.5), two_point(0.5)]).unsqueeze(0)
     return draft, target
@@ -334,9 +334,9 @@ def fsd_case():
 
 def test_fsd_accepts_longest_prefix_below_threshold_regardless_of_token():
     draft, target = fsd_case()
-    d = js(target[:, :3], draft)
+    d = jsd(target[:, :3], draft)
     assert d[0, 0] == 0 and 0.2 < d[0, 1] < 0.25 and d[0, 2] == 0
-    rule = Fuzzy(divergence="js", threshold=0.1, use_raw=False)
+    rule = Fuzzy(divergence="jsd", threshold=0.1, use_raw=False)
     for ids in ([[0, 0, 1]], [[1, 3, 0]]):  # the decision ignores which token was drafted
         accepted, lossy = rule.accept(torch.tensor(ids), draft, target[:, :3], VerifyContext())
         assert accepted.tolist() == [[True, False, True]] and torch.equal(lossy, accepted)
@@ -344,7 +344,7 @@ def test_fsd_accepts_longest_prefix_below_threshold_regardless_of_token():
         assert out.num_accepted.tolist() == [1] and out.num_lossy.tolist() == [1]
         assert out.output_ids[0, 0] == ids[0][0]
         assert out.output_ids[0, 1] in (1, 2)  # a sample of the target at the rejected position
-    loose = verify_chain(torch.tensor([[0, 0, 1]]), draft, target, Fuzzy(threshold=0.3, use_raw=False))
+    loose = verify_chain(torch.tensor([[0, 0, 1]]), draft, target, Fuzzy(divergence="jsd", threshold=0.3, use_raw=False))
     assert loose.num_accepted.tolist() == [3] and loose.num_lossy.tolist() == [3]
 
 
@@ -356,7 +356,7 @@ def test_fsd_threshold_limits():
     assert zero.num_accepted.tolist() == [0]
     # T = inf accepts everything, even an infinite KL (disjoint supports)
     disjoint_draft = torch.tensor([[[0.0, 0, 0, 1]] * 3])
-    for div in ("kl", "kl_reverse", "js_fsd"):
+    for div in ("kl", "kl_reverse", "js", "topp_kl"):
         out = verify_chain(ids, disjoint_draft, target, Fuzzy(divergence=div, threshold=math.inf, use_raw=False))
         assert out.num_accepted.tolist() == [3]
 
@@ -403,8 +403,10 @@ def test_fsd_draft_modes_and_validation():
     for bad, msg in [
         (dict(threshold=-0.1), "threshold"),
         (dict(threshold=float("nan")), "threshold"),
-        (dict(divergence="jsd"), "unknown divergence"),
+        (dict(divergence="jensen_shannon"), "unknown divergence"),
         (dict(top_k=0), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
         (dict(hybrid=True, greedy_drafts=True), "sampled drafts"),
     ]:
         with pytest.raises(QuickdraftError, match=msg):
@@ -419,6 +421,16 @@ def test_fsd_topk_divergence_uses_top_k():
     d1 = Fuzzy(divergence="topk_js", top_k=1).divergences(draft, target[:, :3], VerifyContext())
     d50 = Fuzzy(divergence="topk_js", top_k=50).divergences(draft, target[:, :3], VerifyContext())
     assert d1.shape == (2, 3) and (d1 < d50).all()
+
+
+def test_fsd_topp_divergence_uses_top_p():
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randn(2, 3, 100, generator=g).softmax(-1)
+    target = torch.randn(2, 4, 100, generator=g).softmax(-1)
+    for top_p in (0.3, 0.9):
+        got = Fuzzy(divergence="topp_js", top_p=top_p).divergences(draft, target[:, :3], VerifyContext())
+        assert got.shape == (2, 3)
+        torch.testing.assert_close(got, get_divergence("topp_js", top_p=top_p)(target[:, :3], draft))
 
 
 def test_hybrid_threshold_zero_is_exactly_lossless_draw_for_draw():

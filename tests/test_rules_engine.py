@@ -87,16 +87,17 @@ def test_fsd_divergence_sees_raw_distributions_by_default(tiny_target, tiny_draf
 
 
 def test_raw_and_processed_divergences_decide_differently_at_temperature_zero(tiny_target):
-    """At T = 0 the processed distributions are one-hot: their JS divergence is 0 where the argmaxes
-    agree and ln 2 where they differ, so any 0 < T < ln 2 on processed distributions *is* greedy
+    """At T = 0 the processed distributions are one-hot: their textbook JS divergence (``jsd``) is 0
+    where the argmaxes agree and ln 2 where they differ, so any 0 < T < ln 2 on processed distributions *is* greedy
     exact-match decoding; on the raw distributions FSD accepts some disagreements."""
     target = ModelRunner(tiny_target)
     poor = perturbed_copy(tiny_target, scale=1.0, seed=5)
     greedy = generate(target, PROMPTS, method="ar", max_new_tokens=30).sequences
     processed = generate(target, PROMPTS, method="sd", drafter=_drafter(poor),
-                         rule=Fuzzy(threshold=0.6, use_raw=False), max_new_tokens=30)
+                         rule=Fuzzy(divergence="jsd", threshold=0.6, use_raw=False), max_new_tokens=30)
     assert processed.sequences == greedy
-    raw = generate(target, PROMPTS, method="sd", drafter=_drafter(poor), rule=Fuzzy(threshold=0.6), max_new_tokens=30)
+    raw = generate(target, PROMPTS, method="sd", drafter=_drafter(poor), rule=Fuzzy(divergence="jsd", threshold=0.6),
+               max_new_tokens=30)
     assert raw.sequences != greedy
     assert raw.batch_metrics.accepted_tokens > processed.batch_metrics.accepted_tokens
 
@@ -163,6 +164,8 @@ def test_hybrid_fsd_at_threshold_zero_is_speculative_sampling_end_to_end(soft_ta
 def test_methods_pass_fsd_and_typical_options():
     spec = build_method("fsd", divergence="topk_js", divergence_top_k=7, fsd_raw=False, drafts="sampled", threshold=0.2)
     assert spec.rule == Fuzzy(divergence="topk_js", top_k=7, use_raw=False, greedy_drafts=False, threshold=0.2)
+    spec = build_method("fsd", divergence="topp_jsd", divergence_top_p=0.5)
+    assert spec.rule == Fuzzy(divergence="topp_jsd", top_p=0.5)
     assert build_method("fsd").rule.greedy_drafts and not build_method("fsd", hybrid=True).rule.greedy_drafts
     assert build_method("typical", drafts="greedy").rule.greedy_drafts
     assert not build_method("typical").rule.greedy_drafts
@@ -171,6 +174,7 @@ def test_methods_pass_fsd_and_typical_options():
         (dict(name="sd", drafts="greedy"), "applies to fsd and typical"),
         (dict(name="fsd", hybrid=True, drafts="greedy"), "sampled drafts"),
         (dict(name="fsd", divergence="topk_tv", divergence_top_k=0), "top_k"),
+        (dict(name="fsd", divergence="topp_tv", divergence_top_p=0.0), "top_p"),
     ]:
         name = kwargs.pop("name")
         with pytest.raises(QuickdraftError, match=msg):

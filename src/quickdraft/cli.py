@@ -70,12 +70,16 @@ def generate(
         "plus end-of-sequence): faster drafting, still lossless (e.g. 49152)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string, non-empty (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
-    divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),
+    divergence: str = typer.Option(
+        "js", help="fsd: js (default: FSD's \"JS\", KL from the mixture, unbounded; the paper's, with its threshold "
+        "0.4), jsd (textbook Jensen-Shannon, <= ln 2), kl, kl_reverse, tv, and topk_* / topp_* of each. Thresholds "
+        "are in each divergence's own units: js and jsd thresholds are not comparable."),
     threshold: float = typer.Option(0.4, help="fsd: divergence threshold T (>= 0)."),
     hybrid: bool = typer.Option(False, "--hybrid", help="fsd: lossless test instead of rejection above T."),
     fsd_raw: bool = typer.Option(
         True, "--raw/--processed", help="fsd: divergence on the raw temperature-1 distributions (FSD's default) or the processed ones."),
     divergence_top_k: int = typer.Option(50, "--divergence-top-k", help="fsd: k of the topk_* divergences."),
+    divergence_top_p: float = typer.Option(0.9, "--divergence-top-p", help="fsd: nucleus mass p of the topp_* divergences, in (0, 1]."),
     drafts: str = typer.Option(
         "auto", "--drafts", help="fsd, typical: auto (fsd greedy, hybrid fsd and typical sampled), greedy or sampled."),
     epsilon: float = typer.Option(0.09, help="typical: posterior threshold epsilon in (0, 1] (Medusa: 0.09)."),
@@ -98,7 +102,8 @@ def generate(
         sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
         spec = build_method(
             method, k=k, policy=policy, sampling=sampling, divergence=divergence, threshold=threshold,
-            hybrid=hybrid, fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, drafts=drafts, epsilon=epsilon,
+            hybrid=hybrid, fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, divergence_top_p=divergence_top_p,
+            drafts=drafts, epsilon=epsilon,
             delta=delta, candidates=candidates, seed=seed, head=head,
             stop_threshold=stop_threshold, tree_budget=tree_budget, depth=depth, topk=topk, verifier=verifier,
             tree_sampling=tree_sampling, tree_rule=tree_rule,
@@ -170,11 +175,15 @@ def serve(
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Context limit per row (default: the target's)."),
     max_batch: int = typer.Option(16, "--max-batch", help="Most rows decoded at once (over all settings)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Request size limit."),
-    divergence: str = typer.Option("js", help="fsd: kl, kl_reverse, js, js_fsd, tv, topk_*."),
+    divergence: str = typer.Option(
+        "js", help="fsd: js (default: FSD's \"JS\", KL from the mixture, unbounded; the paper's, with its threshold "
+        "0.4), jsd (textbook Jensen-Shannon, <= ln 2), kl, kl_reverse, tv, and topk_* / topp_* of each. Thresholds "
+        "are in each divergence's own units: js and jsd thresholds are not comparable."),
     threshold: float = typer.Option(0.4, help="fsd: divergence threshold T (>= 0)."),
     hybrid: bool = typer.Option(False, "--hybrid", help="fsd: lossless test instead of rejection above T."),
     fsd_raw: bool = typer.Option(True, "--raw/--processed", help="fsd: divergence on the raw or processed distributions."),
     divergence_top_k: int = typer.Option(50, "--divergence-top-k", help="fsd: k of the topk_* divergences."),
+    divergence_top_p: float = typer.Option(0.9, "--divergence-top-p", help="fsd: nucleus mass p of the topp_* divergences, in (0, 1]."),
     drafts: str = typer.Option("auto", "--drafts", help="fsd, typical: auto, greedy or sampled."),
     epsilon: float = typer.Option(0.09, help="typical: posterior threshold epsilon in (0, 1]."),
     delta: float = typer.Option(0.3, help="typical: posterior alpha delta > 0."),
@@ -195,7 +204,7 @@ def serve(
         defaults = ServeDefaults(
             method=method, k=k, policy=policy, threshold=threshold, divergence=divergence, hybrid=hybrid,
             drafts=drafts, epsilon=epsilon, delta=delta, stop_threshold=stop_threshold, head=head,
-            fsd_raw=fsd_raw, divergence_top_k=divergence_top_k,
+            fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, divergence_top_p=divergence_top_p,
         )
         sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
         spec = build_spec(defaults, sampling, 0)  # a bad default fails here, not at the first request

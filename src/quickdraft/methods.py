@@ -78,6 +78,7 @@ def build_method(
     hybrid: bool = False,
     fsd_raw: bool = True,
     divergence_top_k: int = 50,
+    divergence_top_p: float = 0.9,
     drafts: str = "auto",
     epsilon: float = 0.09,
     delta: float = 0.3,
@@ -96,8 +97,11 @@ def build_method(
 
     FSD and typical acceptance take ``fsd_raw`` (FSD: divergence on the raw temperature-1
     distributions, as the FSD reference; ``False``: on the processed ones), ``divergence_top_k``
-    (the k of the ``topk_*`` divergences) and ``drafts`` (:data:`DRAFT_MODES`); the other
-    methods ignore the first two and refuse a ``drafts`` other than ``auto``.
+    (the k of the ``topk_*`` divergences), ``divergence_top_p`` (the nucleus of the ``topp_*``
+    divergences) and ``drafts`` (:data:`DRAFT_MODES`); the other methods ignore the first three
+    and refuse a ``drafts`` other than ``auto``. ``divergence`` names a divergence of
+    :mod:`quickdraft.divergences`; the default ``js`` is FSD's "JS" (the paper's default, with its
+    threshold 0.4), ``jsd`` the textbook Jensen–Shannon divergence.
     """
     if name not in METHOD_NAMES:
         raise QuickdraftError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
@@ -109,7 +113,8 @@ def build_method(
 
     def fuzzy() -> rules.Fuzzy:
         greedy_drafts = {"auto": None, "greedy": True, "sampled": False}[drafts]
-        return rules.Fuzzy(divergence=divergence, threshold=threshold, top_k=divergence_top_k, use_raw=fsd_raw,
+        return rules.Fuzzy(divergence=divergence, threshold=threshold, top_k=divergence_top_k, top_p=divergence_top_p,
+                           use_raw=fsd_raw,
                            hybrid=hybrid, greedy_drafts=greedy_drafts)
 
     pol = build_policy(policy, k, head, stop_threshold)

@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from quickdraft.divergences import DEFAULT_TOP_K, DIVERGENCES, entropy, get_divergence
+from quickdraft.divergences import DEFAULT_TOP_K, DEFAULT_TOP_P, DIVERGENCES, canonical_name, entropy, get_divergence
 from quickdraft.errors import QuickdraftError
 from quickdraft.race import race_candidates, race_keys, race_sample
 from quickdraft.sampling import sample
@@ -223,11 +223,17 @@ class Fuzzy(Rule):
     Attributes
     ----------
     divergence:
-        Name in :data:`quickdraft.divergences.DIVERGENCES` (``js``, ``js_fsd``, ``kl``, ``tv``, …).
+        Name in :data:`quickdraft.divergences.DIVERGENCES` (``js``, ``jsd``, ``kl``, ``tv``, …);
+        the default ``js`` is FSD's "JS" (KL from the mixture, unbounded), the quantity the
+        paper's thresholds refer to; ``jsd`` is the textbook Jensen–Shannon divergence (≤ ln 2).
+        A deprecated name (``js_fsd``) warns and is stored as its replacement.
     threshold:
-        T ≥ 0 (``math.inf`` allowed), in the divergence's units (nats for KL/JS).
+        T ≥ 0 (``math.inf`` allowed), in the divergence's units (nats for KL/JS); thresholds of
+        different divergences are not comparable (``js`` and ``jsd`` included).
     top_k:
         k of the ``topk_*`` divergences (FSD's code uses 50); ignored by the others.
+    top_p:
+        Nucleus mass of the ``topp_*`` divergences, in (0, 1]; ignored by the others.
     use_raw:
         Compute D on the raw temperature-1, unwarped distributions (``ctx.raw_*_probs``), as FSD
         does; falls back to the processed ones when the context has no raw distributions.
@@ -242,6 +248,7 @@ class Fuzzy(Rule):
     divergence: str = "js"
     threshold: float = 0.4
     top_k: int = DEFAULT_TOP_K
+    top_p: float = DEFAULT_TOP_P
     use_raw: bool = True
     hybrid: bool = False
     greedy_drafts: bool | None = None  # type: ignore[assignment]
@@ -249,6 +256,7 @@ class Fuzzy(Rule):
     name = "fsd"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "divergence", canonical_name(self.divergence))
         if self.divergence not in DIVERGENCES:
             raise QuickdraftError(f"unknown divergence {self.divergence!r}; choose one of {', '.join(DIVERGENCES)}")
         t = self.threshold
@@ -256,6 +264,9 @@ class Fuzzy(Rule):
             raise QuickdraftError(f"FSD threshold must be a number >= 0 (inf allowed), got {t!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise QuickdraftError(f"FSD top_k must be an integer >= 1, got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise QuickdraftError(f"FSD top_p must be a number in (0, 1], got {p!r}")
         if self.hybrid and self.greedy_drafts:
             raise QuickdraftError(
                 "hybrid FSD needs sampled drafts (its lossless test assumes x ~ q); drop greedy_drafts=True"
@@ -283,7 +294,7 @@ class Fuzzy(Rule):
         if self.use_raw and ctx.raw_draft_probs is not None and ctx.raw_target_probs is not None:
             draft_probs = ctx.raw_draft_probs[:, :k]
             target_probs = ctx.raw_target_probs[:, :k]
-        return get_divergence(self.divergence, self.top_k)(target_probs, draft_probs)
+        return get_divergence(self.divergence, self.top_k, self.top_p)(target_probs, draft_probs)
 
     def accept(self, draft_ids, draft_probs, target_probs, ctx):
         if self.threshold > 0:

@@ -153,7 +153,7 @@ def verify_tree(
     num_accepted = torch.zeros(b, dtype=torch.long)
     num_lossy = torch.zeros(b, dtype=torch.long)
     done = torch.zeros(b, dtype=torch.bool) if active is None else ~active.cpu()
-    divergence = get_divergence(fuzzy.divergence, fuzzy.top_k) if fuzzy is not None else None
+    divergence = get_divergence(fuzzy.divergence, fuzzy.top_k, fuzzy.top_p) if fuzzy is not None else None
     for step in range(depth + 1):
         rows = (~done).nonzero().squeeze(-1)
         if rows.numel() == 0:

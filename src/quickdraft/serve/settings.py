@@ -33,7 +33,8 @@ class SpeculativeSettings(BaseModel):
     k: draft length (the most tokens per step for ``confidence`` / ``specdecpp``).
     policy: draft-length policy, one of :data:`POLICIES` (``specdecpp`` uses the server's ``--head``).
     threshold: FSD divergence threshold (>= 0).
-    divergence: FSD divergence (``js``, ``kl``, ``kl_reverse``, ``js_fsd``, ``tv``, ``topk_*``).
+    divergence: FSD divergence (``js``, ``jsd``, ``kl``, ``kl_reverse``, ``tv``, ``topk_*``, ``topp_*``;
+        :mod:`quickdraft.divergences`); ``js`` is FSD's "JS", ``jsd`` the textbook Jensen–Shannon.
     hybrid: FSD with the lossless test above the threshold.
     drafts: ``auto``, ``greedy`` or ``sampled`` (fsd and typical).
     epsilon, delta: typical acceptance's posterior threshold and alpha.
@@ -69,7 +70,7 @@ class ServeDefaults:
     """The server's speculation defaults (``quickdraft serve`` options); see :class:`SpeculativeSettings`.
 
     ``head`` is the acceptance head of ``policy="specdecpp"`` (a file on the server; a request can
-    choose the policy but never a path). ``fsd_raw`` and ``divergence_top_k`` are server-wide.
+    choose the policy but never a path). ``fsd_raw``, ``divergence_top_k`` and ``divergence_top_p`` are server-wide.
     """
 
     method: str = "sd"
@@ -85,6 +86,7 @@ class ServeDefaults:
     head: str | None = None
     fsd_raw: bool = True
     divergence_top_k: int = 50
+    divergence_top_p: float = 0.9
 
     def merged(self, request: SpeculativeSettings | None) -> "ServeDefaults":
         """These defaults with the request's given fields in their place."""
@@ -120,7 +122,7 @@ def build_spec(settings: ServeDefaults, sampling: SamplingParams, seed: int) -> 
     spec = build_method(
         settings.method, k=settings.k, policy=settings.policy, sampling=sampling, divergence=settings.divergence,
         threshold=settings.threshold, hybrid=settings.hybrid, fsd_raw=settings.fsd_raw,
-        divergence_top_k=settings.divergence_top_k, drafts=settings.drafts, epsilon=settings.epsilon,
+        divergence_top_k=settings.divergence_top_k, divergence_top_p=settings.divergence_top_p, drafts=settings.drafts, epsilon=settings.epsilon,
         delta=settings.delta, seed=seed, head=settings.head, stop_threshold=settings.stop_threshold,
     )
     if spec.engine_method == "tree":  # pragma: no cover - excluded by SERVED_METHODS

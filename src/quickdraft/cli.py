@@ -71,8 +71,8 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string, non-empty (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
     divergence: str = typer.Option(
-        "js", help="fsd: js (default: FSD's \"JS\", KL from the mixture, unbounded; the paper's, with its threshold "
-        "0.4), jsd (textbook Jensen-Shannon, <= ln 2), kl, kl_reverse, tv, and topk_* / topp_* of each. Thresholds "
+        "js", help="fsd: js (default: FSD's \"JS\", KL from the mixture, unbounded; the FSD reference code's default, "
+        "its example threshold is 0.4), jsd (textbook Jensen-Shannon, <= ln 2), kl, kl_reverse, tv, and topk_* / topp_* of each. Thresholds "
         "are in each divergence's own units: js and jsd thresholds are not comparable."),
     threshold: float = typer.Option(0.4, help="fsd: divergence threshold T (>= 0)."),
     hybrid: bool = typer.Option(False, "--hybrid", help="fsd: lossless test instead of rejection above T."),
@@ -176,8 +176,8 @@ def serve(
     max_batch: int = typer.Option(16, "--max-batch", help="Most rows decoded at once (over all settings)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Request size limit."),
     divergence: str = typer.Option(
-        "js", help="fsd: js (default: FSD's \"JS\", KL from the mixture, unbounded; the paper's, with its threshold "
-        "0.4), jsd (textbook Jensen-Shannon, <= ln 2), kl, kl_reverse, tv, and topk_* / topp_* of each. Thresholds "
+        "js", help="fsd: js (default: FSD's \"JS\", KL from the mixture, unbounded; the FSD reference code's default, "
+        "its example threshold is 0.4), jsd (textbook Jensen-Shannon, <= ln 2), kl, kl_reverse, tv, and topk_* / topp_* of each. Thresholds "
         "are in each divergence's own units: js and jsd thresholds are not comparable."),
     threshold: float = typer.Option(0.4, help="fsd: divergence threshold T (>= 0)."),
     hybrid: bool = typer.Option(False, "--hybrid", help="fsd: lossless test instead of rejection above T."),

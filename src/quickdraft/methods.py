@@ -100,8 +100,8 @@ def build_method(
     (the k of the ``topk_*`` divergences), ``divergence_top_p`` (the nucleus of the ``topp_*``
     divergences) and ``drafts`` (:data:`DRAFT_MODES`); the other methods ignore the first three
     and refuse a ``drafts`` other than ``auto``. ``divergence`` names a divergence of
-    :mod:`quickdraft.divergences`; the default ``js`` is FSD's "JS" (the paper's default, with its
-    threshold 0.4), ``jsd`` the textbook Jensen–Shannon divergence.
+    :mod:`quickdraft.divergences`; the default ``js`` is FSD's "JS" (the FSD reference code's
+    default, whose usage example uses threshold 0.4), ``jsd`` the textbook Jensen–Shannon divergence.
     """
     if name not in METHOD_NAMES:
         raise QuickdraftError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")

@@ -224,8 +224,8 @@ class Fuzzy(Rule):
     ----------
     divergence:
         Name in :data:`quickdraft.divergences.DIVERGENCES` (``js``, ``jsd``, ``kl``, ``tv``, …);
-        the default ``js`` is FSD's "JS" (KL from the mixture, unbounded), the quantity the
-        paper's thresholds refer to; ``jsd`` is the textbook Jensen–Shannon divergence (≤ ln 2).
+        the default ``js`` is FSD's "JS" (KL from the mixture, unbounded), the quantity FSD's
+        thresholds refer to; ``jsd`` is the textbook Jensen–Shannon divergence (≤ ln 2).
         A deprecated name (``js_fsd``) warns and is stored as its replacement.
     threshold:
         T ≥ 0 (``math.inf`` allowed), in the divergence's units (nats for KL/JS); thresholds of

@@ -50,6 +50,13 @@ def test_bad_arguments_give_one_clear_line_and_exit_code_2(args, needle):
     assert len(lines) == 1 and needle in lines[0], result.output
 
 
+def test_deprecated_divergence_name_is_said_on_stderr():
+    result = _run("generate", "hello", "--method", "fsd", "--divergence", "js_fsd", "--threshold", "-1")
+    assert result.exit_code == 2, result.output
+    assert "warning: divergence 'js_fsd' is deprecated; use 'js'" in result.output
+    assert "threshold" in [line for line in result.output.splitlines() if line.startswith("error:")][0]
+
+
 def test_empty_prompt_is_rejected(real_models):
     result = _run("generate", "   ", "--method", "ar")
     assert result.exit_code == 2 and "empty prompt" in result.output

@@ -37,6 +37,18 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _divergence_name(divergence: str) -> str:
+    """``divergence`` with a deprecated name replaced by its current one, said on stderr (Python
+    does not show a library's DeprecationWarning on the command line)."""
+    from quickdraft.divergences import DEPRECATED_NAMES
+
+    if divergence in DEPRECATED_NAMES:
+        typer.echo(f"warning: divergence {divergence!r} is deprecated; use {DEPRECATED_NAMES[divergence]!r} "
+                   "(the same quantity)", err=True)
+        return DEPRECATED_NAMES[divergence]
+    return divergence
+
+
 @app.command()
 def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts (several run as one batch)."),
@@ -101,7 +113,7 @@ def generate(
     try:
         sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
         spec = build_method(
-            method, k=k, policy=policy, sampling=sampling, divergence=divergence, threshold=threshold,
+            method, k=k, policy=policy, sampling=sampling, divergence=_divergence_name(divergence), threshold=threshold,
             hybrid=hybrid, fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, divergence_top_p=divergence_top_p,
             drafts=drafts, epsilon=epsilon,
             delta=delta, candidates=candidates, seed=seed, head=head,
@@ -202,7 +214,7 @@ def serve(
         return
     try:
         defaults = ServeDefaults(
-            method=method, k=k, policy=policy, threshold=threshold, divergence=divergence, hybrid=hybrid,
+            method=method, k=k, policy=policy, threshold=threshold, divergence=_divergence_name(divergence), hybrid=hybrid,
             drafts=drafts, epsilon=epsilon, delta=delta, stop_threshold=stop_threshold, head=head,
             fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, divergence_top_p=divergence_top_p,
         )

@@ -39,8 +39,9 @@ likely tokens plus one bucket holding the rest of the mass (:func:`bucket_top_k`
 
 ``topp_<name>`` applies ``<name>`` to the distributions restricted to the target's top-p nucleus
 (the smallest set of its most likely tokens whose probability reaches ``top_p``) and renormalised
-on it (:func:`restrict_top_p`), as FSD's code does for its top-p divergences; ``top_p = 0.9`` by
-default here (FSD's code leaves it unset).
+on it (:func:`restrict_top_p`), as FSD's code does for its top-p divergences (which also keeps the
+next token when the cumulative mass equals ``top_p`` exactly); ``top_p = 0.9`` by default here
+(FSD's code leaves it unset).
 
 References
 ----------

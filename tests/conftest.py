@@ -101,11 +101,14 @@ def real_models():
     """The installed default pair's cache entries; skips with the install command if absent."""
     from quickdraft.models import list_installed
 
-    entries = [e for e in list_installed() if getattr(e, "complete", True)]
+    installed = list_installed()
+    entries = [e for e in installed if e.complete]
     names = {e.name for e in entries}
     wanted = {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"}
     if not wanted <= names:
-        pytest.skip("default models not installed: run `quickdraft models install` (scripts/test.sh does)")
+        damaged = [f"{e.name} ({e.problem})" for e in installed if e.name in wanted and e.problem]
+        pytest.skip(f"default models {'damaged: ' + ', '.join(damaged) if damaged else 'not installed'}: "
+                    "run `quickdraft models install` (scripts/test.sh does)")
     return entries
 
 

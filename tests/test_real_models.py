@@ -1,23 +1,36 @@
-"""End to end on the real default pair (Qwen2.5-Coder 1.5B target / 0.5B draft, bf16): a short
-generation with every method, sharing one loaded pipeline."""
+"""End to end on the real default pair (Qwen2.5-Coder 1.5B target / 0.5B draft) on the torch backend.
+
+Every method generates on one float32 pipeline, where greedy speculative output is compared with
+plain greedy output token for token. The torch kernels are not batch-invariant: a token verified
+in a block of K + 1 gets logits that differ from those of one-token decoding (float32: ~1e-5;
+bf16 and weight-only int8 with bf16 activations: up to ~0.25), so where the target's top two
+logits are that close greedy speculative output can part from plain greedy output. The bf16 and
+int8 tests measure that difference and assert that the outputs part only at such a near tie.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from quickdraft.methods import METHOD_NAMES, build_method
+from quickdraft.policies import Constant
 from quickdraft.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "Write a Python function that returns the sum of a list of numbers."
 
+#: largest |block logits - one-token logits| each precision is allowed (measured on an AMD EPYC
+#: with AVX-512 BF16: float32 2.1e-5, bf16 0.25, int8 with bf16 activations 0.25)
+BLOCK_LOGIT_BOUND = {"float32": 1e-4, "bfloat16": 0.5, "int8": 0.5}
+
 
 @pytest.fixture(scope="module")
 def pipe(real_models):
     from quickdraft.pipeline import Pipeline
 
-    return Pipeline.from_specs("target", "draft")
+    return Pipeline.from_specs("target", "draft", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +59,75 @@ def test_every_method_generates_code_on_the_real_pair(pipe, plain_greedy, method
     if spec.needs_draft:
         assert m.draft_forwards >= m.steps
     if temperature == 0.0 and spec.rule.lossless:
-        # lossless at temperature 0 is greedy decoding; bf16 rounding can flip a near-tie after a
-        # multi-token forward, so exact equality is asserted in fp32 on small models
-        # (test_engine.py); here the first tokens must agree
-        assert completion.token_ids[:4] == plain_greedy.token_ids[:4]
+        # lossless at temperature 0 is greedy decoding: every token equals plain decoding's
+        assert completion.token_ids == plain_greedy.token_ids
+
+
+def _block_vs_one_token(model, prompt_ids: list[int], n: int = 5) -> float:
+    """max |logits of n greedy tokens verified in one block - their logits decoded one at a time|."""
+    from quickdraft.runner import ModelRunner
+
+    runner = ModelRunner(model, "target")
+    runner.reset(1)
+    tokens = [int(runner.forward(torch.tensor([prompt_ids])).logits[0, -1].argmax())]
+    single = []
+    for _ in range(n):
+        logits = runner.forward(torch.tensor([[tokens[-1]]])).logits[0, -1]
+        single.append(logits)
+        tokens.append(int(logits.argmax()))
+    runner.truncate(runner.lengths - n)
+    block = runner.forward(torch.tensor([tokens[:n]])).logits[0]  # [n, V]
+    return float((block - torch.stack(single)).abs().max())
+
+
+def _top2_margin(model, ids: list[int]) -> float:
+    """The target's top-1 minus top-2 logit after ``ids`` (one forward over the whole prefix)."""
+    with torch.inference_mode():
+        top = model(torch.tensor([ids])).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def _greedy_parts_only_at_near_ties(pipe, prompts: list[list[int]], bound: float, max_new_tokens: int) -> list:
+    """Greedy ``ngram`` (one-hot drafts verified in blocks) against plain greedy decoding; returns
+    (first differing index or None) per prompt, asserting that a departure happens only where the
+    target's top two logits are within ``2 * bound`` (plus ``bound`` for the margin's own forward)."""
+    firsts = []
+    for ids in prompts:
+        kw = dict(max_new_tokens=max_new_tokens, policy=Constant(4))
+        plain = pipe.generate([""], prompt_ids=[ids], method="ar", **kw).completions[0].token_ids
+        spec = pipe.generate([""], prompt_ids=[ids], method="ngram", **kw).completions[0]
+        assert spec.metrics.accepted_tokens > 0  # blocks of several tokens were verified
+        first = next((i for i, (a, b) in enumerate(zip(plain, spec.token_ids)) if a != b), None)
+        if first is None:
+            assert spec.token_ids == plain
+        else:
+            margin = _top2_margin(pipe.target_model, ids + plain[:first])
+            assert margin <= 3 * bound, (first, margin)
+        firsts.append(first)
+    return firsts
+
+
+def test_float32_block_logits_are_within_the_bound(pipe):
+    ids = pipe.encode(PROMPT)
+    assert _block_vs_one_token(pipe.target_model, ids) <= BLOCK_LOGIT_BOUND["float32"]
+
+
+def test_bf16_and_int8_greedy_speculative_output_parts_only_at_near_ties(real_models):
+    """The default precision on a CPU with native bf16, then ``--quantize int8`` of the same
+    weights: block logits stay within their bound, and greedy output with verification in blocks
+    equals plain greedy output up to a near tie of the target. Measured on an AMD EPYC with
+    AVX-512 BF16 over 64 tokens of 2 HumanEval and 2 MT-Bench prompts: bf16 identical on 3 of 4
+    (first departure at token 51), int8 on 1 of 4 (tokens 7, 25, 51); on the HumanEval prompt
+    used here int8 parts at token 7, where the target's top two logits are 0.125 apart."""
+    from quickdraft.datasets import load_dataset
+    from quickdraft.pipeline import Pipeline
+    from quickdraft.quant import quantize_by_name
+
+    pipe = Pipeline.from_specs("target", None, dtype="bfloat16")
+    prompts = [pipe.encode_messages(load_dataset("humaneval", 2)[1].messages)]  # int8 parted at token 7
+    for precision in ("bfloat16", "int8"):
+        if precision == "int8":
+            quantize_by_name(pipe.target_model, "int8")
+        bound = BLOCK_LOGIT_BOUND[precision]
+        assert _block_vs_one_token(pipe.target_model, prompts[0]) <= bound
+        _greedy_parts_only_at_near_ties(pipe, prompts, bound, max_new_tokens=24)

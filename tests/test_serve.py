@@ -9,6 +9,7 @@ bounded load test, and one short completion on the real default pair (``slow``).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import socket
 import threading
@@ -464,6 +465,7 @@ def slow_pipe(tiny_target, tiny_draft):
     target = copy.deepcopy(tiny_target)
     fast = target.forward
 
+    @functools.wraps(fast)  # keeps forward's signature, which the runner reads for the cache argument's name
     def slow_forward(*args, **kwargs):
         time.sleep(0.015)
         return fast(*args, **kwargs)

@@ -142,17 +142,7 @@ def raw_probs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row from ``probs [..., V]`` (non-negative, not necessarily normalised);
-    returns int64 ``[...]``.
-
-    Inverse transform sampling: one uniform ``u`` per row, scaled by the row's total, and the first
-    token whose cumulative probability exceeds it (float64 cumulative sums, so a token's chance is
-    its probability to ~1e-16). A token of probability zero has no width on the cumulative scale
-    and is never drawn. Over a 151,936-token vocabulary this costs ~0.9 ms per row on one thread,
-    against ~2.4 ms for ``torch.multinomial``.
-    """
-    flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
-    cdf = flat.double().cumsum(dim=-1)  # [N, V]
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device) * cdf[:, -1:]  # [N, 1]
-    out = torch.searchsorted(cdf, u, right=True).clamp_max(flat.shape[-1] - 1).squeeze(-1)  # [N]
+    """Draw one token per row from ``probs [..., V]``; returns int64 ``[...]``."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
     return out.reshape(probs.shape[:-1])

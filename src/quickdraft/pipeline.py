@@ -72,6 +72,7 @@ class Pipeline:
             ModelRunner(draft_model, "draft") if draft_model is not None else None
         )
         self.vocab_size = int(target_model.config.vocab_size)
+        self._eos_ids: frozenset[int] | None = None  # filled by the first eos_ids()
         if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
             raise QuickdraftError(
                 f"target and draft vocabularies differ: logits of size {self.vocab_size} vs "
@@ -215,7 +216,7 @@ class Pipeline:
         """The ids that end a generation: the tokenizer's and the generation config's end-of-sequence
         ids and the chat end-of-turn markers the tokenizer knows as special tokens (computed once:
         reading the vocabulary costs ~0.2 s on a 151k-token tokenizer)."""
-        if getattr(self, "_eos_ids", None) is None:
+        if self._eos_ids is None:
             self._eos_ids = frozenset(self._find_eos_ids())
         return set(self._eos_ids)
 

@@ -96,6 +96,18 @@ def draft_vocab_ids(size: int, vocab_size: int, eos_ids: list[int] | tuple[int, 
     return list(range(int(size))) + extra
 
 
+def _check_draft_vocab_layout(layout: str, draft_vocab: int | None) -> None:
+    if draft_vocab and layout != "engine":
+        raise QuickdraftError("a draft vocabulary exists for the engine layout only")
+
+
+def _ids(value) -> list[int]:
+    """A config's ``eos_token_id`` (an id, a list of ids or None) as a list."""
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
 def _subset_head(model, ids: list[int]) -> None:
     """Replace ``model.lm_head`` by a head over the rows ``ids`` only (untied from the embedding)."""
     import torch
@@ -286,9 +298,8 @@ def export_dir_name(weight_format: str, layout: str = "engine", draft_vocab: int
     (``openvino-int8``; with a draft vocabulary: ``openvino-int4-vocab49152``; the GenAI layout:
     ``openvino-genai-int8``)."""
     _check_format(weight_format)
+    _check_draft_vocab_layout(layout, draft_vocab)
     if layout != "engine":
-        if draft_vocab:
-            raise QuickdraftError("a draft vocabulary exists for the engine layout only")
         return f"openvino-{layout}-{weight_format}"
     return f"openvino-{weight_format}" + (f"-vocab{int(draft_vocab)}" if draft_vocab else "")
 
@@ -346,13 +357,9 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
 
     fingerprint = model_fingerprint(model)  # checked against an acceptance head's draft
     head_ids = None
+    _check_draft_vocab_layout(layout, draft_vocab)
     if draft_vocab:
-        if layout != "engine":
-            raise QuickdraftError("a draft vocabulary exists for the engine layout only")
-        eos = getattr(model.generation_config, "eos_token_id", None)
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if config.eos_token_id is not None:
-            eos += [config.eos_token_id] if isinstance(config.eos_token_id, int) else list(config.eos_token_id)
+        eos = _ids(getattr(model.generation_config, "eos_token_id", None)) + _ids(config.eos_token_id)
         head_ids = draft_vocab_ids(draft_vocab, int(config.vocab_size), eos)
         _subset_head(model, head_ids)
     ov_model = trace_decoder(model, layout)

@@ -96,6 +96,11 @@ def generate(
         "auto", "--drafts", help="fsd, typical: auto (fsd greedy, hybrid fsd and typical sampled), greedy or sampled."),
     epsilon: float = typer.Option(0.09, help="typical: posterior threshold epsilon in (0, 1] (Medusa: 0.09)."),
     delta: float = typer.Option(0.3, help="typical: posterior alpha delta > 0 (Medusa: 0.3)."),
+    lantern_k: int = typer.Option(
+        100, "--lantern-k", help="lantern: latent neighbourhood size k, the drafted token included (1 = lossless)."),
+    lantern_delta: float = typer.Option(
+        0.1, "--lantern-delta", help="lantern: total-variation budget delta in [0, 1] of the pooled target mass "
+        "(0 = lossless)."),
     candidates: int = typer.Option(1, help="ersd: candidates per position (> 1: a race tree of depth K, --tree-budget nodes)."),
     head: Optional[str] = typer.Option(None, help="specdecpp: path of the trained acceptance head."),
     stop_threshold: float = typer.Option(0.5, "--stop-threshold", help="specdecpp: stop when P(reject) > h; confidence: p_min."),
@@ -116,7 +121,7 @@ def generate(
             method, k=k, policy=policy, sampling=sampling, divergence=_divergence_name(divergence), threshold=threshold,
             hybrid=hybrid, fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, divergence_top_p=divergence_top_p,
             drafts=drafts, epsilon=epsilon,
-            delta=delta, candidates=candidates, seed=seed, head=head,
+            delta=delta, lantern_k=lantern_k, lantern_delta=lantern_delta, candidates=candidates, seed=seed, head=head,
             stop_threshold=stop_threshold, tree_budget=tree_budget, depth=depth, topk=topk, verifier=verifier,
             tree_sampling=tree_sampling, tree_rule=tree_rule,
         )

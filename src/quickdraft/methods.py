@@ -12,6 +12,8 @@ ngram_sd   both       greedy (T = 0) or lossless (T > 0)         prompt lookup w
                                                                  else the draft model
 fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless T = 0
 typical    draft LM   Typical(epsilon, delta)                    lossy
+lantern    draft LM   Latent(lantern_k, lantern_delta)           lossy unless δ = 0 or k = 1;
+                                                                 needs the target's embeddings
 ersd       draft LM   ExponentialRace(seed, candidates)          lossless, shared randomness;
                                                                  candidates > 1: a race tree
 tree       draft LM   tree walk with rrs / kseq / optimal_greedy  lossless; ``rule="fsd"``: FSD on trees;
@@ -29,7 +31,7 @@ from quickdraft.policies import Constant, Policy
 from quickdraft.rules import Rule
 from quickdraft.sampling import SamplingParams
 
-METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "fsd", "typical", "ersd", "tree")
+METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "fsd", "typical", "lantern", "ersd", "tree")
 #: how lossy rules draft: ``auto`` (FSD: greedy, hybrid FSD and typical: sampled), ``greedy``, ``sampled``
 DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 
@@ -82,6 +84,8 @@ def build_method(
     drafts: str = "auto",
     epsilon: float = 0.09,
     delta: float = 0.3,
+    lantern_k: int = 100,
+    lantern_delta: float = 0.1,
     candidates: int = 1,
     seed: int = 0,
     head: str | None = None,
@@ -102,6 +106,8 @@ def build_method(
     and refuse a ``drafts`` other than ``auto``. ``divergence`` names a divergence of
     :mod:`quickdraft.divergences`; the default ``js`` is FSD's "JS" (the FSD reference code's
     default, whose usage example uses threshold 0.4), ``jsd`` the textbook Jensen–Shannon divergence.
+    ``lantern_k`` and ``lantern_delta`` are the neighbourhood size and total-variation budget of
+    :class:`quickdraft.rules.Latent`; its neighbourhood table is attached by ``Pipeline.generate``.
     """
     if name not in METHOD_NAMES:
         raise QuickdraftError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
@@ -144,6 +150,8 @@ def build_method(
         rule = fuzzy()
     elif name == "typical":
         rule = rules.Typical(epsilon=epsilon, delta=delta, greedy_drafts=drafts == "greedy")
+    elif name == "lantern":
+        rule = rules.Latent(k=lantern_k, delta=lantern_delta)
     else:  # ersd
         rule = rules.ExponentialRace(seed=seed, candidates=candidates)
         if candidates > 1:  # the draft's n earliest arrivals at each depth: a tree of depth K

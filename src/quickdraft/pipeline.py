@@ -7,7 +7,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -17,7 +21,7 @@ from quickdraft.engine import Method, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.policies import Constant, Policy
-from quickdraft.rules import Rule
+from quickdraft.rules import Latent, Rule, latent_neighbourhoods
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams
 from quickdraft.tree import TreeConfig
@@ -73,6 +77,7 @@ class Pipeline:
         )
         self.vocab_size = int(target_model.config.vocab_size)
         self._eos_ids: frozenset[int] | None = None  # filled by the first eos_ids()
+        self._neighbourhoods: torch.Tensor | None = None  # [V, k] of the largest k asked for so far
         if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
             raise QuickdraftError(
                 f"target and draft vocabularies differ: logits of size {self.vocab_size} vs "
@@ -265,6 +270,53 @@ class Pipeline:
             )
         return ModelDrafter(draft, self.vocab_size)
 
+    # -- latent neighbourhoods (LANTERN) ---------------------------------------------------------
+    def token_embeddings(self) -> torch.Tensor:
+        """``[V, D]`` the target's input token embeddings.
+
+        On the torch backend the loaded model's embedding weight; on the others the
+        ``*embed_tokens.weight`` tensor of the safetensors in the model's directory or the cache
+        entry above its export (the OpenVINO exports live inside their cache entry). A GGUF file
+        (llama.cpp) has no safetensors: that is a :class:`QuickdraftError`.
+        """
+        get = getattr(self.target_model, "get_input_embeddings", None)
+        if callable(get):
+            return get().weight.detach()
+        source = Path(str(getattr(self.target_model, "name_or_path", "")))
+        for directory in (source, source.parent):
+            for path in sorted(directory.glob("*.safetensors")) if directory.is_dir() else ():
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as weights:
+                    for key in weights.keys():
+                        if key.endswith("embed_tokens.weight"):
+                            return weights.get_tensor(key)
+        raise QuickdraftError(
+            f"LANTERN needs the target's token embeddings, and no safetensors with an embed_tokens weight was found "
+            f"beside {source} (the llamacpp backend's GGUF files do not give them); use --backend torch or openvino"
+        )
+
+    def latent_neighbourhoods(self, k: int) -> torch.Tensor:
+        """``[V, k]`` the target's latent neighbourhood table (:func:`quickdraft.rules.latent_neighbourhoods`),
+        computed once per pipeline (a smaller k reuses a larger table's first columns). Over a
+        151,936 x 1536 embedding this is 7·10¹³ flops, minutes on a small CPU, so the table is
+        also kept on disk (:func:`stored_neighbourhoods`). A k beyond the vocabulary gives all V tokens."""
+        k = min(k, self.vocab_size)
+        if self._neighbourhoods is None or self._neighbourhoods.shape[1] < k:
+            embeddings = self.token_embeddings()
+            if embeddings.shape[0] != self.vocab_size:
+                raise QuickdraftError(f"the target's embedding has {embeddings.shape[0]} rows, its vocabulary "
+                                      f"{self.vocab_size} tokens: LANTERN needs one embedding per token")
+            self._neighbourhoods = stored_neighbourhoods(embeddings, k)
+        return self._neighbourhoods[:, :k]
+
+    def ready_rule(self, rule: Rule | None) -> Rule | None:
+        """``rule`` with what it needs from the target attached: a :class:`~quickdraft.rules.Latent`
+        rule without a neighbourhood table gets the target's (:meth:`latent_neighbourhoods`)."""
+        if isinstance(rule, Latent) and rule.neighbours is None:
+            return dataclasses.replace(rule, neighbours=self.latent_neighbourhoods(rule.k))
+        return rule
+
     # -- generation ------------------------------------------------------------------------------
     def generate(
         self,
@@ -295,7 +347,9 @@ class Pipeline:
         ``ngram`` = (shortest, longest) n-gram the ``ngram`` and ``ngram_sd`` methods match (default:
         :attr:`NGRAM_DEFAULTS`): a longer shortest n-gram drafts less often and more accurately, for
         backends whose verification cost grows with K. ``lookup_k``: tokens an ``ngram_sd`` lookup
-        step copies (its model steps draft ``policy``'s length).
+        step copies (its model steps draft ``policy``'s length). A LANTERN ``rule``
+        (:class:`~quickdraft.rules.Latent`) without a neighbourhood table gets the target's
+        (:meth:`ready_rule`).
         """
         stop_strings = check_stop_strings(stop_strings)
         if prompt_ids is None:
@@ -338,7 +392,7 @@ class Pipeline:
             ids,
             method=method,
             drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier),
-            rule=rule,
+            rule=self.ready_rule(rule),
             policy=policy or Constant(k),
             sampling=sampling,
             max_new_tokens=max_new_tokens,
@@ -352,6 +406,32 @@ class Pipeline:
             texts[row] = _cut_at_stop(decode(seq), stop_strings)
             completions.append(Completion(texts[row], seq, out.finish_reasons[row], out.metrics[row]))
         return PipelineOutput(completions, out.batch_metrics)
+
+
+def stored_neighbourhoods(embeddings: torch.Tensor, k: int, cache_dir: str | os.PathLike[str] | None = None) -> torch.Tensor:
+    """:func:`quickdraft.rules.latent_neighbourhoods` of ``embeddings [V, D]``, computed once per
+    embedding matrix and k: kept as int32 in ``<cache>/.neighbourhoods/<sha256 of the
+    embedding>-k<k>.pt`` (``cache_dir`` default: the model cache, :func:`quickdraft.models.default_cache_dir`;
+    a cache that cannot be written is skipped)."""
+    from quickdraft.models import default_cache_dir
+
+    data = embeddings.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{data.dtype} {tuple(data.shape)}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes())
+    path = Path(cache_dir or default_cache_dir()).expanduser() / ".neighbourhoods" / f"{digest.hexdigest()[:32]}-k{k}.pt"
+    if path.is_file():
+        table = torch.load(path, weights_only=True)
+        if isinstance(table, torch.Tensor) and table.shape == (data.shape[0], k):
+            return table.long()
+    table = latent_neighbourhoods(embeddings, k)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        torch.save(table.to(torch.int32).cpu(), partial)
+        os.replace(partial, path)
+    except OSError:
+        pass
+    return table
 
 
 def check_utf8(text: str, what: str) -> None:

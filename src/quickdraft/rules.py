@@ -28,6 +28,7 @@ class               lossless    acceptance
 :class:`Fuzzy`      T = 0 only  D(p, q) <= T (FSD); ``hybrid``: or the lossless test
 :class:`Typical`    no          p(x) > min(ε, δ·exp(−H(p))) (Medusa typical acceptance)
 :class:`ExponentialRace`  yes   x = argmin_v E_v / p(v) with shared arrival times E (ERSD)
+:class:`Latent`     δ = 0, k = 1  u < min(1, p̃(x)/q(x)), p̃ pooling x's latent neighbours (LANTERN)
 ==================  ==========  ============================================================
 """
 
@@ -490,9 +491,190 @@ class ExponentialRace(Rule):
         return race_sample(target_probs, self.keys(ctx, target_probs.shape[0], offsets, target_probs.device))
 
 
+# ---------------------------------------------------------------------------------------------
+# LANTERN: relaxed acceptance over latent neighbourhoods
+# ---------------------------------------------------------------------------------------------
+
+
+def latent_neighbourhoods(embeddings: torch.Tensor, k: int, chunk_size: int = 512) -> torch.Tensor:
+    """The ``k`` tokens nearest to every token by cosine similarity of their embeddings.
+
+    Parameters
+    ----------
+    embeddings:
+        ``[V, D]`` token embeddings (a model's input embedding matrix or its output head's rows).
+    k:
+        Neighbourhood size, 1 ≤ k ≤ V, the token itself included.
+    chunk_size:
+        Rows of the similarity matrix computed at a time: memory is ``chunk_size · V`` floats
+        instead of V² (for V = 151,936: 0.3 GB at the default 512 against 92 GB).
+
+    Returns
+    -------
+    ``[V, k]`` int64: row v is v itself (its own nearest neighbour, even where another token has
+    the same embedding or v's embedding is zero), then the k − 1 other tokens of highest cosine
+    similarity to v, most similar first.
+
+    >>> latent_neighbourhoods(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1]]), 2).tolist()
+    [[0, 2], [1, 2], [2, 0]]
+    """
+    if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or not embeddings.is_floating_point():
+        raise QuickdraftError(f"embeddings must be a floating [V, D] tensor, got {_describe(embeddings)}")
+    v = embeddings.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
+        raise QuickdraftError(f"neighbourhood size k must be an integer in [1, V={v}], got {k!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise QuickdraftError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    unit = embeddings.detach().float()
+    unit = unit / unit.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # [V, D] rows of norm 1 (or 0)
+    table = torch.empty(v, k, dtype=torch.long, device=unit.device)
+    for start in range(0, v, chunk_size):
+        rows = torch.arange(start, min(start + chunk_size, v), device=unit.device)
+        similarity = unit[rows] @ unit.T  # [c, V] cosine similarities
+        similarity[torch.arange(len(rows), device=unit.device), rows] = math.inf  # a token is nearest to itself
+        table[rows] = similarity.topk(k, dim=-1).indices
+    return table
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def latent_mass(target_probs: torch.Tensor, token_ids: torch.Tensor, neighbours: torch.Tensor,
+                delta: float) -> torch.Tensor:
+    """m_δ(x): the target mass LANTERN pools onto token x from its latent neighbours.
+
+    A_{k,δ}(x) is the longest prefix of x's neighbourhood ``neighbours[x]`` (x first, then the
+    others nearest first) whose tokens other than x hold target mass ≤ δ; m_δ(x) is that mass.
+    The relaxed target p̃_x moves it onto x — p̃_x(x) = p(x) + m_δ(x) = Σ_{v ∈ A_{k,δ}(x)} p(v),
+    p̃_x(v) = 0 for the other v of A_{k,δ}(x), p̃_x = p elsewhere — so TV(p, p̃_x) = m_δ(x) ≤ δ.
+
+    ``target_probs [..., V]``, ``token_ids [...]`` int64, ``neighbours [V, k]``
+    (:func:`latent_neighbourhoods`); returns ``[...]``, zeros when k = 1.
+    """
+    others = neighbours.to(target_probs.device)[token_ids][..., 1:]  # [..., k-1] nearest first
+    if others.shape[-1] == 0:
+        return torch.zeros(token_ids.shape, dtype=target_probs.dtype, device=target_probs.device)
+    mass = target_probs.gather(-1, others).cumsum(dim=-1)  # [..., k-1] non-decreasing
+    return torch.where(mass <= delta, mass, torch.zeros_like(mass)).amax(dim=-1)
+
+
+@dataclass(frozen=True)
+class Latent(Rule):
+    r"""LANTERN's relaxed acceptance (Jang et al., ICLR 2025, arXiv:2410.03355).
+
+    Tokens close in embedding space are near-interchangeable (LANTERN's *latent proximity*). For a
+    drafted token x ~ q, the target mass of x's nearest neighbours is pooled onto x, as far as
+    total variation δ allows (:func:`latent_mass`):
+
+    .. math::
+
+        \tilde p_x(x) = p(x) + m_\delta(x) = \sum_{v \in A_{k,\delta}(x)} p(v),
+        \qquad \mathrm{TV}(p, \tilde p_x) = m_\delta(x) \le \delta
+
+    and x is accepted with probability min(1, p̃_x(x)/q(x)). At the first rejection the recovered
+    token is a sample of the residual norm(max(0, p − q)) (:func:`residual`), as in
+    :class:`Lossless`; the bonus token is a sample of p. The uniforms are drawn as
+    :class:`Lossless` draws them, so δ = 0 or k = 1 (m_δ ≡ 0) is :class:`Lossless` draw for draw.
+
+    *What δ bounds.* LANTERN's δ bounds each relaxed target p̃_x, not the output. One step emits
+    token y with probability π(y) = min(q(y), p̃_y(y)) + (1 − β)·r(y), β the acceptance
+    probability, r the residual. Writing the lossless rule's p(y) = min(q(y), p(y)) + (p(y) − q(y))₊,
+    the extra acceptance e(y) = min(q(y), p̃_y(y)) − min(q(y), p(y)) = min((q(y) − p(y))₊, m_δ(y))
+    lives where q > p and the residual's loss where p > q, so exactly
+
+    .. math::
+
+        \mathrm{TV}(\pi, p) = \sum_y \min\big((q(y) - p(y))_+,\ m_\delta(y)\big)
+        = \beta - \beta_{\text{lossless}}
+        \le \min\big(\mathrm{TV}(p, q),\ \delta \cdot |\{y : q(y) > p(y)\}|\big):
+
+    the distortion of a step equals the acceptance probability gained over :class:`Lossless`,
+    never exceeds the draft's own distance from the target, and is at most δ per token the draft
+    over-proposes — within δ when it over-proposes one token, but not within δ in general.
+
+    The lossy mask returned by :meth:`accept` marks the acceptances the lossless test with the same
+    uniform would have rejected.
+
+    Attributes
+    ----------
+    k:
+        Neighbourhood size, x included (k = 1: lossless). LANTERN's image models use 1000 of
+        16,384 codes.
+    delta:
+        δ ∈ [0, 1], the most target mass pooled onto a drafted token (δ = 0: lossless).
+    neighbours:
+        ``[V, ≥k]`` int64 neighbourhood table of :func:`latent_neighbourhoods` (its first k columns
+        are used; all V where k > V), computed once per model; ``None`` until attached (``Pipeline.generate`` attaches
+        the target's). Not part of equality or the repr.
+    """
+
+    k: int = 100
+    delta: float = 0.1
+    neighbours: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    name = "lantern"
+    greedy_drafts = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise QuickdraftError(f"LANTERN neighbourhood size k must be an integer >= 1, got {self.k!r}")
+        d = self.delta
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1:
+            raise QuickdraftError(f"LANTERN delta must be a total-variation budget in [0, 1], got {d!r}")
+        table = self.neighbours
+        if table is None:
+            return
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype != torch.long:
+            raise QuickdraftError(f"LANTERN neighbours must be an int64 [V, k] table, got {_describe(table)}")
+        if table.shape[1] < min(self.k, table.shape[0]):  # a k beyond V is the whole vocabulary
+            raise QuickdraftError(f"LANTERN neighbours has {table.shape[1]} columns, fewer than k={self.k}")
+        if not torch.equal(table[:, 0], torch.arange(table.shape[0], device=table.device)):
+            raise QuickdraftError("LANTERN neighbours must list every token first in its own row "
+                                  "(use quickdraft.rules.latent_neighbourhoods)")
+        object.__setattr__(self, "neighbours", table[:, : self.k])
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        """True at δ = 0 or k = 1: nothing is pooled and the rule is :class:`Lossless`."""
+        return self.delta == 0 or self.k == 1
+
+    def table(self, vocab_size: int) -> torch.Tensor:
+        """The ``[V, k]`` neighbourhood table, checked against the distributions' vocabulary."""
+        if self.neighbours is None:
+            raise QuickdraftError("the LANTERN rule has no neighbourhood table: build it with "
+                                  "latent_neighbourhoods(embeddings, k) and pass neighbours=..., or run it "
+                                  "through Pipeline.generate, which attaches the target's")
+        if self.neighbours.shape[0] != vocab_size:
+            raise QuickdraftError(f"LANTERN neighbours cover {self.neighbours.shape[0]} tokens, the "
+                                  f"distributions {vocab_size}")
+        return self.neighbours
+
+    def relaxed_probability(self, target_probs: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+        """p̃_x(x) = p(x) + m_δ(x) for ``draft_ids [...]`` under ``target_probs [..., V]``."""
+        table = self.table(target_probs.shape[-1])
+        return _gather_token_probs(target_probs, draft_ids) + latent_mass(target_probs, draft_ids, table, self.delta)
+
+    def accept(self, draft_ids, draft_probs, target_probs, ctx):
+        p = _gather_token_probs(target_probs, draft_ids)
+        q = _gather_token_probs(draft_probs, draft_ids)
+        relaxed_p = self.relaxed_probability(target_probs, draft_ids)
+        u = torch.rand(p.shape, generator=ctx.generator, device=p.device)  # as Lossless draws them
+        accepted = u < acceptance_probability(relaxed_p, q)
+        return accepted, accepted & ~(u < acceptance_probability(p, q))
+
+    def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
+        return sample(residual(target_probs, draft_probs), ctx.generator)
+
+    def bonus(self, target_probs, ctx, offsets):
+        return sample(target_probs, ctx.generator)
+
+
 #: rule classes by their CLI / results name
 RULES: dict[str, type[Rule]] = {
-    rule.name: rule for rule in (Lossless, Greedy, Fuzzy, Typical, ExponentialRace)
+    rule.name: rule for rule in (Lossless, Greedy, Fuzzy, Typical, ExponentialRace, Latent)
 }
 
 __all__ = [
@@ -504,7 +686,10 @@ __all__ = [
     "Fuzzy",
     "Typical",
     "ExponentialRace",
+    "Latent",
     "acceptance_probability",
+    "latent_mass",
+    "latent_neighbourhoods",
     "residual",
     "typical_threshold",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -112,6 +113,10 @@ def generate(
         "topk", "--sampling", help="tree: how children are drawn: topk, with_replacement, without_replacement, greedy (--rule ersd: race)."
     ),
     tree_rule: str = typer.Option("lossless", "--rule", help="tree: lossless, fsd (FSD on trees; --divergence/--threshold) or ersd (race candidates, --topk per node)."),
+    datastore: Optional[str] = typer.Option(
+        None, "--datastore", help="rest, rest_sd: what to retrieve drafts from: a directory of text files (e.g. a "
+        "source tree), a text file, a .jsonl corpus, or an index saved by RetrievalIndex.save (.npz)."),
+    datastore_field: str = typer.Option("text", "--datastore-field", help="rest, rest_sd: the text field of a .jsonl datastore."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streaming it to stdout (one prompt), then print the metrics."""
@@ -133,11 +138,14 @@ def generate(
         for prompt in prompts:
             check_prompt_text(prompt)
         check_stop_strings(stop)
+        check_datastore_option(method, spec.needs_datastore, datastore)
         pipe = Pipeline.from_specs(
             target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
             quantize_draft=quantize_draft, draft_dtype=draft_dtype, exact=exact,
             draft_vocab=draft_vocab if spec.needs_draft else None,
         )
+        if datastore is not None:
+            pipe.set_datastore(datastore, datastore_field)
         acceptance_head = getattr(spec.policy, "head", None)
         if acceptance_head is not None and pipe.draft_model is not None and resolve_backend(backend) != "llamacpp":
             acceptance_head.check_draft(pipe.draft_model, name=f"draft {draft!r}")  # clear error on a mismatch
@@ -182,7 +190,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in /v1/models (default: --target)."),
-    method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, fsd, typical, ersd."),
+    method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, rest, rest_sd, fsd, typical, ersd."),
     k: int = typer.Option(4, "--k", help="Default draft length."),
     policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp."),
     temperature: float = typer.Option(0.0, help="Default temperature (0 = greedy)."),
@@ -206,6 +214,9 @@ def serve(
     delta: float = typer.Option(0.3, help="typical: posterior alpha delta > 0."),
     head: Optional[str] = typer.Option(None, help="specdecpp: path of the trained acceptance head."),
     stop_threshold: float = typer.Option(0.5, "--stop-threshold", help="specdecpp: threshold h; confidence: p_min."),
+    datastore: Optional[str] = typer.Option(
+        None, "--datastore", help="rest, rest_sd: what to retrieve drafts from (as for `generate`)."),
+    datastore_field: str = typer.Option("text", "--datastore-field", help="rest, rest_sd: the text field of a .jsonl datastore."),
     drain_seconds: float = typer.Option(60.0, "--drain-seconds", help="At shutdown, wait this long for running requests."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
 ) -> None:
@@ -230,6 +241,10 @@ def serve(
         use_draft = None if draft.lower() == "none" else draft
         if use_draft is None and spec.needs_draft:
             raise QuickdraftError(f"the default method {method!r} needs a draft model: give --draft or --method ar/ngram")
+        if spec.needs_datastore and datastore is None:
+            raise QuickdraftError(f"the default method {method!r} retrieves its drafts: give --datastore PATH")
+        if datastore is not None and not Path(datastore).exists():
+            raise QuickdraftError(f"datastore {datastore} does not exist")
         pipe = Pipeline.from_specs(
             target, use_draft, dtype=dtype, backend=backend, quantize=quantize, quantize_draft=quantize_draft,
             draft_dtype=draft_dtype, draft_vocab=draft_vocab if use_draft else None,
@@ -238,6 +253,8 @@ def serve(
             from quickdraft.policies import SpecDecPP
 
             SpecDecPP.from_file(head).head.check_draft(pipe.draft_model, name=f"draft {draft!r}")
+        if datastore is not None:
+            pipe.set_datastore(datastore, datastore_field)
     except QuickdraftError as err:
         fail(str(err))
         return
@@ -247,6 +264,18 @@ def serve(
         defaults=defaults,
     )
     run_server(pipe, config, host=host, port=port, log_level=log_level)
+
+
+def check_datastore_option(method: str, needs_datastore: bool, datastore: str | None) -> None:
+    """Raise :class:`QuickdraftError` unless ``--datastore`` is given (and exists) exactly when the
+    method retrieves (checked before the models load)."""
+    if needs_datastore and datastore is None:
+        raise QuickdraftError(f"method {method!r} retrieves its drafts: give --datastore PATH (a directory, a text "
+                              "file or a .jsonl corpus)")
+    if datastore is not None and not needs_datastore:
+        raise QuickdraftError(f"--datastore applies to the retrieval methods rest and rest_sd, not {method!r}")
+    if datastore is not None and not Path(datastore).exists():
+        raise QuickdraftError(f"datastore {datastore} does not exist")
 
 
 def _print_metrics(completion) -> None:

@@ -196,30 +196,33 @@ class NGramDrafter:
 
 
 class NGramModelDrafter:
-    """Prompt lookup first, the draft model where the lookup finds nothing (method ``ngram_sd``).
+    """A model-free drafter first, the draft model where it finds nothing: ``ngram_sd`` over prompt
+    lookup (:class:`NGramDrafter`), ``rest_sd`` over retrieval
+    (:class:`quickdraft.retrieval.RetrievalDrafter`). ``lookup`` is any drafter with
+    ``lookup(seq, k) -> list[int]`` (``[]``: nothing found) and ``vocab_size``.
 
-    A step drafts up to ``lookup_k`` copied tokens when every active row's last n-gram (at least
-    ``lookup.min_ngram`` tokens) occurred earlier in its sequence, and drafts with the model
-    (``policy``'s length) otherwise. A lookup step costs no draft forward, so where the text repeats
-    itself (code restating its prompt, edits, quotations) a step costs one target forward alone, and
-    a longer lookup costs little more where verification cost is flat in the block length
-    (``docs/performance.md``); elsewhere it is ordinary speculative decoding. The draft model skips
-    the looked-up steps and feeds the tokens it missed in one block at its next step (its KV cache
-    is always a prefix of the sequence).
+    A step drafts up to ``lookup_k`` copied tokens when the lookup finds a continuation for every
+    active row (prompt lookup: the last n-gram, at least ``lookup.min_ngram`` tokens, occurred
+    earlier in the sequence), and drafts with the model (``policy``'s length) otherwise. A lookup
+    step costs no draft forward, so where the text repeats itself or the datastore (code restating
+    its prompt, edits, quotations) a step costs one target forward alone, and a longer lookup costs
+    little more where verification cost is flat in the block length (``docs/performance.md``);
+    elsewhere it is ordinary speculative decoding. The draft model skips the looked-up steps and
+    feeds the tokens it missed in one block at its next step (its KV cache is always a prefix of
+    the sequence).
 
     Which drafter runs depends only on the sequence so far, and each step's draft distributions
     are the ones its tokens were drawn from (one-hot for copied tokens), so every lossless rule
     stays exactly target-distributed.
     """
 
-    name = "ngram_sd"
-
-    def __init__(self, lookup: NGramDrafter, model: ModelDrafter, lookup_k: int = 8) -> None:
+    def __init__(self, lookup, model: ModelDrafter, lookup_k: int = 8) -> None:
         _check_k(lookup_k, "lookup_k")
         self.lookup = lookup
         self.model = model
         self.lookup_k = int(lookup_k)
-        self.lookup_steps = 0  # steps drafted by prompt lookup since start (the rest by the model)
+        self.lookup_steps = 0  # steps drafted by the lookup since start (the rest by the model)
+        self.name = f"{lookup.name}_sd"
 
     @property
     def max_draft(self) -> int:

@@ -10,6 +10,9 @@ sd         draft LM   greedy (T = 0) or lossless (T > 0)         Leviathan/Chen
 ngram      n-gram     greedy (T = 0) or lossless (T > 0)         prompt lookup decoding
 ngram_sd   both       greedy (T = 0) or lossless (T > 0)         prompt lookup where it matches,
                                                                  else the draft model
+rest       datastore  greedy (T = 0) or lossless (T > 0)         REST retrieval (needs a datastore)
+rest_sd    both       greedy (T = 0) or lossless (T > 0)         retrieval where it matches,
+                                                                 else the draft model
 fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless T = 0
 typical    draft LM   Typical(epsilon, delta)                    lossy
 lantern    draft LM   Latent(lantern_k, lantern_delta)           lossy unless δ = 0 or k = 1;
@@ -31,7 +34,8 @@ from quickdraft.policies import Constant, Policy
 from quickdraft.rules import Rule
 from quickdraft.sampling import SamplingParams
 
-METHOD_NAMES: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "fsd", "typical", "lantern", "ersd", "tree")
+METHOD_NAMES: tuple[str, ...] = (
+    "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "fsd", "typical", "lantern", "ersd", "tree")
 #: how lossy rules draft: ``auto`` (FSD: greedy, hybrid FSD and typical: sampled), ``greedy``, ``sampled``
 DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 
@@ -39,10 +43,11 @@ DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 @dataclass
 class MethodSpec:
     name: str
-    engine_method: str  # "ar" | "sd" | "ngram" | "ngram_sd" | "tree"
+    engine_method: str  # "ar" | "sd" | "ngram" | "ngram_sd" | "rest" | "rest_sd" | "tree"
     rule: Rule
     policy: Policy
     needs_draft: bool
+    needs_datastore: bool = False  # retrieval (rest, rest_sd): a datastore to retrieve from
     tree: object | None = None  # quickdraft.tree.TreeConfig for engine_method "tree"
     verifier: str = "rrs"  # step-level verifier at every tree node
 
@@ -126,8 +131,9 @@ def build_method(
     pol = build_policy(policy, k, head, stop_threshold)
     if name == "ar":
         return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
-    if name in ("sd", "ngram", "ngram_sd"):
-        return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name != "ngram")
+    if name in ("sd", "ngram", "ngram_sd", "rest", "rest_sd"):
+        return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name not in ("ngram", "rest"),
+                          needs_datastore=name in ("rest", "rest_sd"))
     if name == "tree":
         from quickdraft.tree import TreeConfig, check_combination
 

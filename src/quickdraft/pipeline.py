@@ -21,6 +21,7 @@ from quickdraft.engine import Method, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.policies import Constant, Policy
+from quickdraft.retrieval import RetrievalDrafter, RetrievalIndex
 from quickdraft.rules import Latent, Rule, latent_neighbourhoods
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams
@@ -77,6 +78,7 @@ class Pipeline:
         )
         self.vocab_size = int(target_model.config.vocab_size)
         self._eos_ids: frozenset[int] | None = None  # filled by the first eos_ids()
+        self.datastore: RetrievalIndex | None = None  # what rest / rest_sd retrieve from (set_datastore)
         self._neighbourhoods: torch.Tensor | None = None  # [V, k] of the largest k asked for so far
         if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
             raise QuickdraftError(
@@ -244,19 +246,37 @@ class Pipeline:
                 ids.add(int(vocab[token]))
         return ids
 
+    def set_datastore(self, source: str | Path | RetrievalIndex | None, field: str = "text") -> RetrievalIndex | None:
+        """Make ``source`` the datastore of the ``rest`` and ``rest_sd`` methods and return its index:
+        a :class:`RetrievalIndex`, a saved index (``.npz``), or a directory, text file or ``.jsonl``
+        corpus (``field``: its text field) tokenised with this pipeline's tokenizer
+        (:meth:`RetrievalIndex.from_path`). ``None`` removes it."""
+        if source is None or isinstance(source, RetrievalIndex):
+            self.datastore = source
+        else:
+            self.datastore = RetrievalIndex.from_path(source, self.tokenizer, field)
+        return self.datastore
+
     #: (shortest, longest) n-gram matched by default: any repeat for ``ngram`` (a miss costs
     #: nothing there), two tokens or more for ``ngram_sd`` (a miss costs a draft-model step)
     NGRAM_DEFAULTS = {"ngram": (1, 3), "ngram_sd": (2, 4)}
 
     def drafter_for(self, method: str, ngram: tuple[int, int] | None = None, lookup_k: int = 8,
-                    tree: TreeConfig | None = None, verifier: str = "rrs", draft: ModelRunner | None = None):
+                    tree: TreeConfig | None = None, verifier: str = "rrs", draft: ModelRunner | None = None,
+                    datastore: RetrievalIndex | None = None):
         """The drafter of ``method`` (``None`` for ``ar``) over ``draft`` (default: this pipeline's
         draft runner); ``tree`` and ``verifier`` shape the ``tree`` method's trees (default
-        :class:`TreeConfig`)."""
+        :class:`TreeConfig`); ``rest`` and ``rest_sd`` retrieve from ``datastore`` (default:
+        :attr:`datastore`)."""
         ngram_min, ngram_max = ngram or self.NGRAM_DEFAULTS.get(method, (1, 3))
         draft = draft if draft is not None else self.draft
+        datastore = datastore if datastore is not None else self.datastore
+        if method in ("rest", "rest_sd") and datastore is None:
+            raise QuickdraftError(f"method {method!r} needs a datastore to retrieve from (--datastore PATH)")
         if method == "ngram":
             return NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min)
+        if method == "rest":
+            return RetrievalDrafter(self.vocab_size, datastore)
         if method == "ar":
             return None
         if draft is None:
@@ -268,6 +288,9 @@ class Pipeline:
                 NGramDrafter(self.vocab_size, max_ngram=ngram_max, min_ngram=ngram_min),
                 ModelDrafter(draft, self.vocab_size), lookup_k=lookup_k,
             )
+        if method == "rest_sd":
+            return NGramModelDrafter(RetrievalDrafter(self.vocab_size, datastore),
+                                     ModelDrafter(draft, self.vocab_size), lookup_k=lookup_k)
         return ModelDrafter(draft, self.vocab_size)
 
     # -- latent neighbourhoods (LANTERN) ---------------------------------------------------------
@@ -337,6 +360,7 @@ class Pipeline:
         verifier: str = "rrs",
         ngram: tuple[int, int] | None = None,
         lookup_k: int = 8,
+        datastore: str | Path | RetrievalIndex | None = None,
     ) -> PipelineOutput:
         """Generate a completion for every prompt (one real batch through the models).
 
@@ -347,11 +371,16 @@ class Pipeline:
         ``ngram`` = (shortest, longest) n-gram the ``ngram`` and ``ngram_sd`` methods match (default:
         :attr:`NGRAM_DEFAULTS`): a longer shortest n-gram drafts less often and more accurately, for
         backends whose verification cost grows with K. ``lookup_k``: tokens an ``ngram_sd`` lookup
-        step copies (its model steps draft ``policy``'s length). A LANTERN ``rule``
+        step copies (its model steps draft ``policy``'s length), and likewise a ``rest_sd`` retrieval
+        step. ``datastore``: what ``rest`` and ``rest_sd`` retrieve from in this call (a
+        :class:`RetrievalIndex` or a path, indexed anew; default: the pipeline's, :meth:`set_datastore`).
+        A LANTERN ``rule``
         (:class:`~quickdraft.rules.Latent`) without a neighbourhood table gets the target's
         (:meth:`ready_rule`).
         """
         stop_strings = check_stop_strings(stop_strings)
+        if datastore is not None and not isinstance(datastore, RetrievalIndex):
+            datastore = RetrievalIndex.from_path(datastore, self.tokenizer)
         if prompt_ids is None:
             if isinstance(prompts, str):
                 prompts = [prompts]
@@ -391,7 +420,8 @@ class Pipeline:
             self.target,
             ids,
             method=method,
-            drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier),
+            drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier,
+                                     datastore=datastore),
             rule=self.ready_rule(rule),
             policy=policy or Constant(k),
             sampling=sampling,

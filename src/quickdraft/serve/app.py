@@ -330,7 +330,10 @@ def create_app(pipe, config: ServerConfig | None = None) -> FastAPI:
         if rows > scheduler.max_rows:
             raise APIError(400, f"the request needs {rows} rows (prompts x n); this server decodes at most "
                            f"{scheduler.max_rows} at once", param="n")
-        lookup = scheduler.lookup_k if spec.engine_method == "ngram_sd" else 0
+        if spec.needs_datastore and pipe.datastore is None:
+            raise APIError(400, f"method {settings.method!r} retrieves from a datastore; this server has none "
+                           "(start it with --datastore PATH)", param="speculative.method")
+        lookup = scheduler.lookup_k if spec.engine_method in ("ngram_sd", "rest_sd") else 0
         draft_room = 0 if spec.engine_method == "ar" else max(settings.k, lookup) + 1
         longest = max(len(p) for p in prompts)
         if max_tokens is None:

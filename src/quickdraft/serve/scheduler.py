@@ -302,7 +302,7 @@ class Scheduler:
         else:
             target, draft = pipe.target, pipe.draft
         method = spec.engine_method
-        if draft is None and method not in ("ar", "ngram"):
+        if draft is None and spec.needs_draft:
             raise QuickdraftError(f"method {key.settings.method!r} needs a draft model; this server has none")
         drafter = pipe.drafter_for(method, lookup_k=self.lookup_k, draft=draft)
         batch = _Batch(key, None)  # type: ignore[arg-type]

@@ -19,8 +19,8 @@ from quickdraft.policies import MAX_DRAFT_LENGTH
 from quickdraft.sampling import SamplingParams
 
 #: methods the server runs (token trees, ``tree`` and ERSD with several candidates, need a loop of
-#: their own and are not served)
-SERVED_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "fsd", "typical", "ersd")
+#: their own and are not served; ``rest`` and ``rest_sd`` need the server's ``--datastore``)
+SERVED_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "fsd", "typical", "ersd")
 POLICIES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp")
 
 

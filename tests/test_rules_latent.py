@@ -32,6 +32,7 @@ from quickdraft.methods import build_method
 from quickdraft.pipeline import Pipeline
 from quickdraft.rules import (
     Latent,
+    LatentNeighbourhoods,
     Lossless,
     VerifyContext,
     acceptance_probability,
@@ -46,13 +47,6 @@ from quickdraft.verify import verify_chain
 from conftest import TINY_VOCAB, chi_square_pvalue, word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    """Neighbourhood tables the pipeline stores go to a temporary model cache."""
-    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 
@@ -238,6 +232,50 @@ def test_every_token_is_its_own_nearest_neighbour():
     assert torch.equal(table[:, 0], torch.arange(20))
     assert table[3, 1] == 5 and table[5, 1] == 3  # the duplicate is the next nearest
     assert all(len(set(row.tolist())) == 4 for row in table)  # no token twice
+    lazy = LatentNeighbourhoods(embeddings, 4)
+    assert torch.equal(lazy[torch.arange(20)], table)
+
+
+def test_lazy_rows_equal_the_full_table_across_calls():
+    """Random ids (duplicates, repeats across calls, any shape) give the full table's rows; each
+    row is computed once, on its first call."""
+    gen = torch.Generator().manual_seed(8)
+    for v, d, k in ((97, 12, 5), (300, 16, 300), (50, 3, 1)):
+        embeddings = torch.randn(v, d, generator=gen)
+        embeddings[v // 2] = 0  # a zero row
+        full = latent_neighbourhoods(embeddings, k)
+        lazy = LatentNeighbourhoods(embeddings, k)
+        assert lazy.shape == (v, k) and lazy.computed == 0
+        seen: set[int] = set()
+        for call in range(8):
+            shape = [(6,), (2, 5), (3, 1, 4), (40,)][call % 4]
+            ids = torch.randint(0, v, shape, generator=gen)
+            ids.view(-1)[0] = ids.view(-1)[-1]  # a duplicate within the call
+            if seen and call % 2:  # a row computed by an earlier call
+                ids.view(-1)[1] = next(iter(seen))
+            rows = lazy[ids]
+            assert rows.dtype == torch.long and rows.shape == (*shape, k)
+            assert torch.equal(rows, full[ids]), (v, k, call)
+            seen |= set(ids.view(-1).tolist())
+            assert lazy.computed == len(seen)
+        assert torch.equal(lazy.rows(torch.arange(v)), full)  # the rest, and the cached rows unchanged
+        assert lazy.computed == v
+
+
+def test_lazy_rows_compute_only_new_tokens_in_one_batch(monkeypatch):
+    from quickdraft import rules
+
+    embeddings = torch.randn(64, 8, generator=torch.Generator().manual_seed(9))
+    lazy = LatentNeighbourhoods(embeddings, 4)
+    batches = []
+    nearest = rules._nearest
+    monkeypatch.setattr(rules, "_nearest", lambda matrix, norms, rows, k: batches.append(rows.tolist())
+                        or nearest(matrix, norms, rows, k))
+    lazy[torch.tensor([[5, 3, 5], [9, 3, 3]])]
+    lazy[torch.tensor([3, 5, 9])]  # all cached: no matmul
+    lazy[torch.tensor([9, 1, 1, 5])]
+    assert batches == [[3, 5, 9], [1]]
+    assert lazy.computed == 4 and "computed=4" in repr(lazy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +294,7 @@ def test_every_token_is_its_own_nearest_neighbour():
     (dict(k=3, neighbours=torch.arange(10).unsqueeze(1)), "fewer than k=3"),
     (dict(k=1, neighbours=torch.arange(10, dtype=torch.int32).unsqueeze(1)), "int64"),
     (dict(k=2, neighbours=torch.arange(10).flip(0).unsqueeze(1).repeat(1, 2)), "every token first"),
+    (dict(k=3, neighbours=LatentNeighbourhoods(torch.randn(10, 2), 4)), "computes 4 columns, k=3 needs 3"),
 ])
 def test_rule_validation(kwargs, needle):
     with pytest.raises(QuickdraftError, match=needle):
@@ -267,6 +306,7 @@ def test_table_validation_and_a_missing_table():
     assert Latent(k=2, neighbours=table).neighbours.shape == (10, 2)  # a wider table is cut to k
     assert Latent(k=2, neighbours=table) == Latent(k=2)  # the table is not part of equality
     assert Latent(k=100, neighbours=latent_neighbourhoods(torch.randn(10, 3), 10)).neighbours.shape == (10, 10)
+    assert Latent(k=100, neighbours=LatentNeighbourhoods(torch.randn(10, 3), 10)).neighbours.shape == (10, 10)
     probs = torch.full((1, 1, 10), 0.1)
     ids = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(QuickdraftError, match="no neighbourhood table"):
@@ -280,6 +320,13 @@ def test_table_validation_and_a_missing_table():
             latent_neighbourhoods(*args)
     with pytest.raises(QuickdraftError, match="chunk_size"):
         latent_neighbourhoods(torch.randn(10, 3), 2, chunk_size=0)
+    for args, needle in [((torch.randn(10), 2), r"floating \[V, D\]"), ((torch.randn(10, 3), 11), r"in \[1, V=10\]")]:
+        with pytest.raises(QuickdraftError, match=needle):
+            LatentNeighbourhoods(*args)
+    lazy = LatentNeighbourhoods(torch.randn(10, 3), 2)
+    with pytest.raises(QuickdraftError, match="cover 10 tokens, the distributions 12"):
+        Latent(k=2, neighbours=lazy).accept(ids, torch.full((1, 1, 12), 1 / 12), torch.full((1, 1, 12), 1 / 12),
+                                            VerifyContext())
 
 
 def test_method_and_command_line_validation():
@@ -330,15 +377,29 @@ def test_engine_lossless_at_zero_delta_and_acceptance_grows_with_delta(soft_targ
     assert rates == sorted(rates) and rates[-1] > rates[0] + 0.1, rates
 
 
-def test_pipeline_attaches_the_targets_neighbourhoods(soft_target, tiny_draft, own_cache, monkeypatch):
+def test_engine_output_is_the_same_with_lazy_and_full_neighbourhoods(soft_target, tiny_draft):
+    target = ModelRunner(soft_target)
+    drafter = ModelDrafter(ModelRunner(tiny_draft, "draft"), TINY_VOCAB)
+    embeddings = soft_target.get_input_embeddings().weight
+    params = SamplingParams(temperature=1.0)
+    for seed, delta in ((0, 0.3), (1, 0.6)):
+        lazy = LatentNeighbourhoods(embeddings, 16)
+        runs = [generate(target, PROMPTS * 2, method="sd", drafter=drafter, sampling=params, max_new_tokens=24,
+                         seed=seed, rule=Latent(k=16, delta=delta, neighbours=neighbours))
+                for neighbours in (_embedding_table(soft_target, 16), lazy)]
+        assert runs[0].sequences == runs[1].sequences
+        assert runs[0].batch_metrics.accepted_tokens == runs[1].batch_metrics.accepted_tokens
+        assert runs[0].batch_metrics.lossy_accepted_tokens == runs[1].batch_metrics.lossy_accepted_tokens > 0
+        assert 0 < lazy.computed < TINY_VOCAB  # only the drafted tokens' rows
+
+
+def test_pipeline_attaches_the_targets_neighbourhoods(soft_target, tiny_draft):
     pipe = Pipeline(soft_target, word_tokenizer(), tiny_draft)
-    assert torch.equal(pipe.latent_neighbourhoods(8), _embedding_table(soft_target, 8))
-    # stored once on disk: another pipeline over the same weights reads it instead of computing it
-    assert len(list((own_cache / ".neighbourhoods").glob("*-k8.pt"))) == 1
-    with monkeypatch.context() as patch:
-        patch.setattr("quickdraft.pipeline.latent_neighbourhoods", lambda *args: pytest.fail("computed again"))
-        stored = Pipeline(soft_target, word_tokenizer()).latent_neighbourhoods(8)
-    assert torch.equal(stored, _embedding_table(soft_target, 8))
+    neighbourhoods = pipe.latent_neighbourhoods(8)
+    assert isinstance(neighbourhoods, LatentNeighbourhoods) and neighbourhoods.computed == 0
+    assert torch.equal(neighbourhoods[torch.arange(TINY_VOCAB)], _embedding_table(soft_target, 8))
+    assert pipe.latent_neighbourhoods(8) is neighbourhoods  # one per pipeline and k: its rows are kept
+    assert pipe.latent_neighbourhoods(10**6).k == TINY_VOCAB
     assert pipe.ready_rule(Latent(k=4)).neighbours.shape == (TINY_VOCAB, 4)
     params = SamplingParams(temperature=1.0)
     via_pipeline = pipe.generate("", prompt_ids=PROMPTS, method="sd", rule=Latent(k=8, delta=0.3), sampling=params,
@@ -358,7 +419,7 @@ def test_embeddings_come_from_the_safetensors_beside_an_export(tmp_path, soft_ta
     stand_in = SimpleNamespace(config=soft_target.config, name_or_path=str(tmp_path / "openvino-int8"))
     pipe = Pipeline(stand_in, tokenizer, target_runner=SimpleNamespace())
     torch.testing.assert_close(pipe.token_embeddings(), soft_target.get_input_embeddings().weight, rtol=0, atol=0)
-    assert torch.equal(pipe.latent_neighbourhoods(5), _embedding_table(soft_target, 5))
+    assert torch.equal(pipe.latent_neighbourhoods(5)[torch.arange(TINY_VOCAB)], _embedding_table(soft_target, 5))
     gguf = SimpleNamespace(config=soft_target.config, name_or_path=str(tmp_path / "elsewhere" / "model.gguf"))
     with pytest.raises(QuickdraftError, match="llamacpp"):
         Pipeline(gguf, tokenizer, target_runner=SimpleNamespace()).token_embeddings()

@@ -8,8 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,7 +20,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.policies import Constant, Policy
 from quickdraft.retrieval import RetrievalDrafter, RetrievalIndex
-from quickdraft.rules import Latent, Rule, latent_neighbourhoods
+from quickdraft.rules import Latent, LatentNeighbourhoods, Rule
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams
 from quickdraft.tree import TreeConfig
@@ -79,7 +77,7 @@ class Pipeline:
         self.vocab_size = int(target_model.config.vocab_size)
         self._eos_ids: frozenset[int] | None = None  # filled by the first eos_ids()
         self.datastore: RetrievalIndex | None = None  # what rest / rest_sd retrieve from (set_datastore)
-        self._neighbourhoods: torch.Tensor | None = None  # [V, k] of the largest k asked for so far
+        self._neighbourhoods: LatentNeighbourhoods | None = None  # of the last k asked for
         if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
             raise QuickdraftError(
                 f"target and draft vocabularies differ: logits of size {self.vocab_size} vs "
@@ -319,23 +317,22 @@ class Pipeline:
             f"beside {source} (the llamacpp backend's GGUF files do not give them); use --backend torch or openvino"
         )
 
-    def latent_neighbourhoods(self, k: int) -> torch.Tensor:
-        """``[V, k]`` the target's latent neighbourhood table (:func:`quickdraft.rules.latent_neighbourhoods`),
-        computed once per pipeline (a smaller k reuses a larger table's first columns). Over a
-        151,936 x 1536 embedding this is 7·10¹³ flops, minutes on a small CPU, so the table is
-        also kept on disk (:func:`stored_neighbourhoods`). A k beyond the vocabulary gives all V tokens."""
+    def latent_neighbourhoods(self, k: int) -> LatentNeighbourhoods:
+        """The target's latent neighbourhoods of size k (:class:`quickdraft.rules.LatentNeighbourhoods`:
+        rows computed as tokens are drafted and kept), one per pipeline while k stays the same.
+        A k beyond the vocabulary gives all V tokens."""
         k = min(k, self.vocab_size)
-        if self._neighbourhoods is None or self._neighbourhoods.shape[1] < k:
+        if self._neighbourhoods is None or self._neighbourhoods.k != k:
             embeddings = self.token_embeddings()
             if embeddings.shape[0] != self.vocab_size:
                 raise QuickdraftError(f"the target's embedding has {embeddings.shape[0]} rows, its vocabulary "
                                       f"{self.vocab_size} tokens: LANTERN needs one embedding per token")
-            self._neighbourhoods = stored_neighbourhoods(embeddings, k)
-        return self._neighbourhoods[:, :k]
+            self._neighbourhoods = LatentNeighbourhoods(embeddings, k)
+        return self._neighbourhoods
 
     def ready_rule(self, rule: Rule | None) -> Rule | None:
         """``rule`` with what it needs from the target attached: a :class:`~quickdraft.rules.Latent`
-        rule without a neighbourhood table gets the target's (:meth:`latent_neighbourhoods`)."""
+        rule without neighbourhoods gets the target's (:meth:`latent_neighbourhoods`)."""
         if isinstance(rule, Latent) and rule.neighbours is None:
             return dataclasses.replace(rule, neighbours=self.latent_neighbourhoods(rule.k))
         return rule
@@ -375,7 +372,7 @@ class Pipeline:
         step. ``datastore``: what ``rest`` and ``rest_sd`` retrieve from in this call (a
         :class:`RetrievalIndex` or a path, indexed anew; default: the pipeline's, :meth:`set_datastore`).
         A LANTERN ``rule``
-        (:class:`~quickdraft.rules.Latent`) without a neighbourhood table gets the target's
+        (:class:`~quickdraft.rules.Latent`) without neighbourhoods gets the target's
         (:meth:`ready_rule`).
         """
         stop_strings = check_stop_strings(stop_strings)
@@ -436,32 +433,6 @@ class Pipeline:
             texts[row] = _cut_at_stop(decode(seq), stop_strings)
             completions.append(Completion(texts[row], seq, out.finish_reasons[row], out.metrics[row]))
         return PipelineOutput(completions, out.batch_metrics)
-
-
-def stored_neighbourhoods(embeddings: torch.Tensor, k: int, cache_dir: str | os.PathLike[str] | None = None) -> torch.Tensor:
-    """:func:`quickdraft.rules.latent_neighbourhoods` of ``embeddings [V, D]``, computed once per
-    embedding matrix and k: kept as int32 in ``<cache>/.neighbourhoods/<sha256 of the
-    embedding>-k<k>.pt`` (``cache_dir`` default: the model cache, :func:`quickdraft.models.default_cache_dir`;
-    a cache that cannot be written is skipped)."""
-    from quickdraft.models import default_cache_dir
-
-    data = embeddings.detach().cpu().contiguous()
-    digest = hashlib.sha256(f"{data.dtype} {tuple(data.shape)}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes())
-    path = Path(cache_dir or default_cache_dir()).expanduser() / ".neighbourhoods" / f"{digest.hexdigest()[:32]}-k{k}.pt"
-    if path.is_file():
-        table = torch.load(path, weights_only=True)
-        if isinstance(table, torch.Tensor) and table.shape == (data.shape[0], k):
-            return table.long()
-    table = latent_neighbourhoods(embeddings, k)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        torch.save(table.to(torch.int32).cpu(), partial)
-        os.replace(partial, path)
-    except OSError:
-        pass
-    return table
 
 
 def check_utf8(text: str, what: str) -> None:

@@ -496,8 +496,41 @@ class ExponentialRace(Rule):
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_neighbourhood_args(embeddings: torch.Tensor, k: int) -> int:
+    """V, after checking ``embeddings [V, D]`` (floating) and ``k`` in [1, V]."""
+    if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or not embeddings.is_floating_point():
+        raise QuickdraftError(f"embeddings must be a floating [V, D] tensor, got {_describe(embeddings)}")
+    v = embeddings.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
+        raise QuickdraftError(f"neighbourhood size k must be an integer in [1, V={v}], got {k!r}")
+    return v
+
+
+def _similarity_operands(embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embeddings [V, D]`` as float32 (the same tensor when it is float32 already) and ``[V]`` the
+    inverse of each row's norm (a zero row gets a large finite one, so its similarities are 0)."""
+    matrix = embeddings.detach().float()
+    return matrix, 1 / matrix.norm(dim=-1).clamp_min(1e-12)
+
+
+def _nearest(matrix: torch.Tensor, inverse_norms: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """``[c, k]`` int64: each of ``rows [c]`` first, then its k − 1 nearest tokens by cosine similarity.
+
+    Column i of ``matrix @ matrix[rows].T`` scaled by ``inverse_norms [V]`` is cos(·, i) times
+    |e_i|, a positive factor that leaves its order alone. 2·c·V·D flops and one read of the matrix;
+    a [V, D] x [D, c] product (then transposed) is faster on a CPU than [c, D] x [D, V] for small c.
+    """
+    similarity = (matrix @ matrix[rows].T).mul_(inverse_norms[:, None]).T.contiguous()  # [c, V] cosines times |e_i|
+    similarity[torch.arange(len(rows), device=matrix.device), rows] = math.inf  # a token is nearest to itself
+    return similarity.topk(k, dim=-1).indices
+
+
 def latent_neighbourhoods(embeddings: torch.Tensor, k: int, chunk_size: int = 512) -> torch.Tensor:
-    """The ``k`` tokens nearest to every token by cosine similarity of their embeddings.
+    """The ``k`` tokens nearest to every token by cosine similarity of their embeddings: the full table.
+
+    It costs 2·V²·D flops — for a 151,936 x 1536 embedding 7·10¹³, minutes on a small CPU — of
+    which a verification step needs the rows of the drafted tokens only: :class:`LatentNeighbourhoods`
+    computes those rows on demand, identical to this table's.
 
     Parameters
     ----------
@@ -518,22 +551,71 @@ def latent_neighbourhoods(embeddings: torch.Tensor, k: int, chunk_size: int = 51
     >>> latent_neighbourhoods(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1]]), 2).tolist()
     [[0, 2], [1, 2], [2, 0]]
     """
-    if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or not embeddings.is_floating_point():
-        raise QuickdraftError(f"embeddings must be a floating [V, D] tensor, got {_describe(embeddings)}")
-    v = embeddings.shape[0]
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
-        raise QuickdraftError(f"neighbourhood size k must be an integer in [1, V={v}], got {k!r}")
+    v = _check_neighbourhood_args(embeddings, k)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise QuickdraftError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    unit = embeddings.detach().float()
-    unit = unit / unit.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # [V, D] rows of norm 1 (or 0)
-    table = torch.empty(v, k, dtype=torch.long, device=unit.device)
+    matrix, inverse_norms = _similarity_operands(embeddings)
+    table = torch.empty(v, k, dtype=torch.long, device=matrix.device)
     for start in range(0, v, chunk_size):
-        rows = torch.arange(start, min(start + chunk_size, v), device=unit.device)
-        similarity = unit[rows] @ unit.T  # [c, V] cosine similarities
-        similarity[torch.arange(len(rows), device=unit.device), rows] = math.inf  # a token is nearest to itself
-        table[rows] = similarity.topk(k, dim=-1).indices
+        rows = torch.arange(start, min(start + chunk_size, v), device=matrix.device)
+        table[rows] = _nearest(matrix, inverse_norms, rows, k)
     return table
+
+
+class LatentNeighbourhoods:
+    """The rows of :func:`latent_neighbourhoods` ``(embeddings, k)``, each computed when first asked for.
+
+    ``table[token_ids]`` (or ``table.rows(token_ids)``) for ``token_ids [...]`` gives ``[..., k]``
+    int64, as indexing the full ``[V, k]`` table would: the rows not computed yet are computed in one
+    ``[c, D] x [D, V]`` matmul and top-k (2·V·D flops per new token; c distinct new tokens) and
+    kept, so that a token drafted again costs a lookup. Shares :func:`latent_neighbourhoods`'
+    arithmetic, so its rows are the same.
+
+    The state: a float32 view of the embedding (the tensor itself when it is float32, else one
+    float32 copy), the ``[V]`` inverse row norms, an int32 ``[V, k]`` row cache and its ``[V]``
+    filled mask (on the embedding's device; on a CPU the cache's untouched pages are never
+    allocated).
+
+    >>> table = LatentNeighbourhoods(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1]]), 2)
+    >>> table[torch.tensor([2, 0, 2])].tolist(), table.computed
+    ([[2, 0], [0, 2], [2, 0]], 2)
+    """
+
+    def __init__(self, embeddings: torch.Tensor, k: int) -> None:
+        v = _check_neighbourhood_args(embeddings, k)
+        self.k = k
+        self._matrix, self._inverse_norms = _similarity_operands(embeddings)  # [V, D], [V]
+        self._rows = torch.empty(v, k, dtype=torch.int32, device=self._matrix.device)  # [V, k] valid where filled
+        self._filled = torch.zeros(v, dtype=torch.bool, device=self._matrix.device)  # [V]
+
+    @property
+    def shape(self) -> torch.Size:
+        """``(V, k)``, the shape of the full table."""
+        return torch.Size((self._rows.shape[0], self.k))
+
+    @property
+    def device(self) -> torch.device:
+        return self._matrix.device
+
+    @property
+    def computed(self) -> int:
+        """How many rows have been computed so far."""
+        return int(self._filled.sum())
+
+    def rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[..., k]`` int64 neighbourhoods of ``token_ids [...]`` (int64, any device; returned on it)."""
+        ids = token_ids.to(self.device)
+        flat = ids.reshape(-1)
+        missing = flat[~self._filled[flat]].unique()  # [c] distinct tokens not computed yet
+        if missing.numel():
+            self._rows[missing] = _nearest(self._matrix, self._inverse_norms, missing, self.k).to(torch.int32)
+            self._filled[missing] = True
+        return self._rows[ids].long().to(token_ids.device)
+
+    __getitem__ = rows
+
+    def __repr__(self) -> str:
+        return f"LatentNeighbourhoods(V={self.shape[0]}, k={self.k}, computed={self.computed})"
 
 
 def _describe(x) -> str:
@@ -542,8 +624,8 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-def latent_mass(target_probs: torch.Tensor, token_ids: torch.Tensor, neighbours: torch.Tensor,
-                delta: float) -> torch.Tensor:
+def latent_mass(target_probs: torch.Tensor, token_ids: torch.Tensor,
+                neighbours: torch.Tensor | LatentNeighbourhoods, delta: float) -> torch.Tensor:
     """m_δ(x): the target mass LANTERN pools onto token x from its latent neighbours.
 
     A_{k,δ}(x) is the longest prefix of x's neighbourhood ``neighbours[x]`` (x first, then the
@@ -551,12 +633,14 @@ def latent_mass(target_probs: torch.Tensor, token_ids: torch.Tensor, neighbours:
     The relaxed target p̃_x moves it onto x — p̃_x(x) = p(x) + m_δ(x) = Σ_{v ∈ A_{k,δ}(x)} p(v),
     p̃_x(v) = 0 for the other v of A_{k,δ}(x), p̃_x = p elsewhere — so TV(p, p̃_x) = m_δ(x) ≤ δ.
 
-    ``target_probs [..., V]``, ``token_ids [...]`` int64, ``neighbours [V, k]``
-    (:func:`latent_neighbourhoods`); returns ``[...]``, zeros when k = 1.
+    ``target_probs [..., V]``, ``token_ids [...]`` int64, ``neighbours``: the ``[V, k]`` table of
+    :func:`latent_neighbourhoods` or a :class:`LatentNeighbourhoods` (both give ``[..., k]`` rows
+    for ``neighbours[ids]``); returns ``[...]``, zeros when k = 1.
     """
-    others = neighbours.to(target_probs.device)[token_ids][..., 1:]  # [..., k-1] nearest first
-    if others.shape[-1] == 0:
+    if neighbours.shape[1] == 1:
         return torch.zeros(token_ids.shape, dtype=target_probs.dtype, device=target_probs.device)
+    rows = neighbours[token_ids.to(neighbours.device)].to(target_probs.device)  # [..., k]
+    others = rows[..., 1:]  # [..., k-1] nearest first
     mass = target_probs.gather(-1, others).cumsum(dim=-1)  # [..., k-1] non-decreasing
     return torch.where(mass <= delta, mass, torch.zeros_like(mass)).amax(dim=-1)
 
@@ -606,14 +690,15 @@ class Latent(Rule):
     delta:
         δ ∈ [0, 1], the most target mass pooled onto a drafted token (δ = 0: lossless).
     neighbours:
-        ``[V, ≥k]`` int64 neighbourhood table of :func:`latent_neighbourhoods` (its first k columns
-        are used; all V where k > V), computed once per model; ``None`` until attached (``Pipeline.generate`` attaches
-        the target's). Not part of equality or the repr.
+        The neighbourhoods: a :class:`LatentNeighbourhoods` of k columns (min(k, V)), which computes
+        the rows of the drafted tokens as they come, or the full ``[V, ≥k]`` int64 table of
+        :func:`latent_neighbourhoods` (its first k columns are used; all V where k > V); ``None``
+        until attached (``Pipeline.generate`` attaches the target's). Not part of equality or the repr.
     """
 
     k: int = 100
     delta: float = 0.1
-    neighbours: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    neighbours: LatentNeighbourhoods | torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     name = "lantern"
     greedy_drafts = False
@@ -626,6 +711,11 @@ class Latent(Rule):
             raise QuickdraftError(f"LANTERN delta must be a total-variation budget in [0, 1], got {d!r}")
         table = self.neighbours
         if table is None:
+            return
+        if isinstance(table, LatentNeighbourhoods):
+            if table.k != min(self.k, table.shape[0]):  # a k beyond V is the whole vocabulary
+                raise QuickdraftError(f"LANTERN neighbours computes {table.k} columns, k={self.k} needs "
+                                      f"{min(self.k, table.shape[0])}")
             return
         if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype != torch.long:
             raise QuickdraftError(f"LANTERN neighbours must be an int64 [V, k] table, got {_describe(table)}")
@@ -641,11 +731,11 @@ class Latent(Rule):
         """True at δ = 0 or k = 1: nothing is pooled and the rule is :class:`Lossless`."""
         return self.delta == 0 or self.k == 1
 
-    def table(self, vocab_size: int) -> torch.Tensor:
-        """The ``[V, k]`` neighbourhood table, checked against the distributions' vocabulary."""
+    def table(self, vocab_size: int) -> LatentNeighbourhoods | torch.Tensor:
+        """The ``[V, k]`` neighbourhoods, checked against the distributions' vocabulary."""
         if self.neighbours is None:
-            raise QuickdraftError("the LANTERN rule has no neighbourhood table: build it with "
-                                  "latent_neighbourhoods(embeddings, k) and pass neighbours=..., or run it "
+            raise QuickdraftError("the LANTERN rule has no neighbourhood table: pass "
+                                  "neighbours=LatentNeighbourhoods(embeddings, k), or run it "
                                   "through Pipeline.generate, which attaches the target's")
         if self.neighbours.shape[0] != vocab_size:
             raise QuickdraftError(f"LANTERN neighbours cover {self.neighbours.shape[0]} tokens, the "
@@ -655,7 +745,10 @@ class Latent(Rule):
     def relaxed_probability(self, target_probs: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
         """p̃_x(x) = p(x) + m_δ(x) for ``draft_ids [...]`` under ``target_probs [..., V]``."""
         table = self.table(target_probs.shape[-1])
-        return _gather_token_probs(target_probs, draft_ids) + latent_mass(target_probs, draft_ids, table, self.delta)
+        p = _gather_token_probs(target_probs, draft_ids)
+        if self.delta == 0:  # nothing is pooled: no neighbourhood needed
+            return p
+        return p + latent_mass(target_probs, draft_ids, table, self.delta)
 
     def accept(self, draft_ids, draft_probs, target_probs, ctx):
         p = _gather_token_probs(target_probs, draft_ids)
@@ -687,6 +780,7 @@ __all__ = [
     "Typical",
     "ExponentialRace",
     "Latent",
+    "LatentNeighbourhoods",
     "acceptance_probability",
     "latent_mass",
     "latent_neighbourhoods",

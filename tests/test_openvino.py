@@ -261,6 +261,47 @@ def test_int8_export_runs_close_to_float(tmp_path, tiny_target):
     assert (a - b).abs().max() < 0.05 * a.abs().max()
 
 
+def test_int4_export_is_symmetric_and_a_stale_manifest_is_rebuilt(tmp_path):
+    """``int4`` compresses symmetrically in groups of 128 and records its settings; an int4 export
+    whose manifest lacks them (asymmetric int4) is not taken as exported, while an int8 one without
+    the record still is."""
+    import json
+
+    import openvino as ov
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from quickdraft.backends.openvino.export import COMPRESSION, EXPORT_MANIFEST, MODEL_XML
+
+    torch.manual_seed(3)
+    config = Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).eval()  # layers 128 wide: whole groups of 128
+    hf = _save(model, tmp_path / "hf")
+    out = export(hf, tmp_path / "i4", "int4", progress=False)
+    info = json.loads((out / EXPORT_MANIFEST).read_text())
+    assert info["compression"] == COMPRESSION["int4"] == {"mode": "int4_sym", "group_size": 128}
+    weight_types = {op.get_output_element_type(0).get_type_name() for op in ov.Core().read_model(out / MODEL_XML).get_ops()
+                    if op.get_type_name() == "Constant"}
+    assert "i4" in weight_types and "u4" not in weight_types  # symmetric: signed, no zero points
+    f32 = _runner(export(hf, tmp_path / "f32", "none", progress=False))
+    i4 = _runner(out)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    f32.reset(1)
+    i4.reset(1)
+    a, b = f32.forward(ids).logits, i4.forward(ids).logits
+    assert (a - b).abs().max() < 0.25 * a.abs().max()
+    assert is_exported(out)
+    del info["compression"]
+    (out / EXPORT_MANIFEST).write_text(json.dumps(info))
+    assert not is_exported(out)
+    i8 = export(hf, tmp_path / "i8", "int8", progress=False)
+    info8 = json.loads((i8 / EXPORT_MANIFEST).read_text())
+    del info8["compression"]
+    (i8 / EXPORT_MANIFEST).write_text(json.dumps(info8))
+    assert is_exported(i8)
+
+
 def test_openvino_genai_anchor_agrees_with_our_engine(ov_models, tmp_path, tiny_target, tiny_draft):
     """OpenVINO GenAI (the benchmark's anchor) on GenAI-layout exports of the same float32 weights:
     its plain greedy output and its speculative greedy output equal our engine's plain greedy

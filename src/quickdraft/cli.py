@@ -117,6 +117,11 @@ def generate(
         None, "--datastore", help="rest, rest_sd: what to retrieve drafts from: a directory of text files (e.g. a "
         "source tree), a text file, a .jsonl corpus, or an index saved by RetrievalIndex.save (.npz)."),
     datastore_field: str = typer.Option("text", "--datastore-field", help="rest, rest_sd: the text field of a .jsonl datastore."),
+    phrase_len: int = typer.Option(8, "--phrase-len", help="phrase_sd: most tokens of a pooled phrase (one lookup appends at most this many)."),
+    phrase_pool: int = typer.Option(4096, "--phrase-pool", help="phrase_sd: most phrases each sequence's pool keeps (least recently seen dropped)."),
+    phrase_max_draft: int = typer.Option(
+        16, "--phrase-max-draft", help="phrase_sd: most draft tokens per step, draft model's and phrases' together "
+        "(--k counts draft-model forwards)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streaming it to stdout (one prompt), then print the metrics."""
@@ -128,7 +133,8 @@ def generate(
             drafts=drafts, epsilon=epsilon,
             delta=delta, lantern_k=lantern_k, lantern_delta=lantern_delta, candidates=candidates, seed=seed, head=head,
             stop_threshold=stop_threshold, tree_budget=tree_budget, depth=depth, topk=topk, verifier=verifier,
-            tree_sampling=tree_sampling, tree_rule=tree_rule,
+            tree_sampling=tree_sampling, tree_rule=tree_rule, phrase_len=phrase_len, phrase_pool=phrase_pool,
+            phrase_max_draft=phrase_max_draft,
         )
         from quickdraft.engine import check_max_new_tokens
         from quickdraft.pipeline import Pipeline, check_prompt_text, check_stop_strings
@@ -156,7 +162,7 @@ def generate(
         out = pipe.generate(
             list(prompts), method=spec.engine_method, policy=spec.policy, rule=spec.rule, sampling=sampling,
             max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop), chat=chat, on_text=stream,
-            tree=spec.tree, verifier=spec.verifier,
+            tree=spec.tree, verifier=spec.verifier, phrase=spec.phrase,
         )
     except QuickdraftError as err:
         fail(str(err))

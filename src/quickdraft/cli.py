@@ -74,13 +74,15 @@ def generate(
         "auto", help="Weights: auto (torch: as loaded; openvino: int8), none, int8 or int4 (torch: weight-only "
         "linear layers; openvino: NNCF weight compression)."),
     quantize_draft: Optional[str] = typer.Option(
-        None, help="Override --quantize for the draft alone (e.g. int4: lossless methods stay exact)."),
+        None, help="Override --quantize for the draft alone (e.g. int4: lossless methods stay exact). Default: "
+        "as --quantize; with --quantize auto on openvino, int4 with a 49,152-id head (see --draft-vocab)."),
     exact: bool = typer.Option(
         False, "--exact", help="openvino, llamacpp: batch-invariant kernels, so greedy speculative output equals plain "
         "greedy output token for token; verification costs more."),
     draft_vocab: Optional[int] = typer.Option(
         None, "--draft-vocab", help="openvino: the draft's head keeps only this many token ids (the most frequent, "
-        "plus end-of-sequence): faster drafting, still lossless (e.g. 49152)."),
+        "plus end-of-sequence): faster drafting, still lossless; 0 keeps the full head. Default: 49152 when "
+        "neither --quantize nor --quantize-draft is given, else 0."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string, non-empty (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template (default: when there is one)."),
     divergence: str = typer.Option(

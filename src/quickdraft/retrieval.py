@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quickdraft.drafters import Draft, one_hot_draft
+from quickdraft.drafters import LookupDrafter
 from quickdraft.errors import QuickdraftError
 
 #: separates documents in the token stream; never equal to a context token (ids are >= 0)
@@ -286,7 +286,7 @@ def _read_file(path: Path, field: str, strict: bool) -> list[str]:
     return docs
 
 
-class RetrievalDrafter:
+class RetrievalDrafter(LookupDrafter):
     """REST-style retrieval (method ``rest``): draft the datastore's most frequent continuation of
     the sequence's longest suffix found there (:meth:`RetrievalIndex.draft`). No model, no forwards.
 
@@ -312,20 +312,6 @@ class RetrievalDrafter:
         self.min_suffix = min_suffix
         self.max_matches = max_matches
 
-    def start(self, sequences: list[list[int]]) -> None:
-        return None
-
-    def prefill(self, sequences: list[list[int]]) -> None:
-        return None
-
     def lookup(self, seq: list[int], k: int) -> list[int]:
         """Up to ``k`` retrieved tokens following ``seq`` (``[]``: nothing found)."""
         return self.index.draft(seq, k, self.max_suffix, self.min_suffix, self.max_matches)
-
-    def propose(self, sequences, policy, rule, sampling, ctx, active) -> Draft:
-        max_k = policy.begin_step()
-        found = [self.lookup(seq, max_k) if act else [] for seq, act in zip(sequences, active.tolist())]
-        return one_hot_draft(found, self.vocab_size, rule)
-
-    def commit(self, sequences, valid_prefix) -> None:
-        return None

@@ -367,3 +367,16 @@ def test_register_installs_a_working_expand_on_cpu(vllm_sampler):
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
     got = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.5, 0.0, 2.0]), cu, 6, replace_from=0, replace_to=1)
     assert got.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 2.0]
+
+
+@needs_vllm
+def test_register_refuses_bad_rule_arguments_at_admission(vllm_sampler):
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    SamplingParams(extra_args={"quickdraft_rule": "fsd", "quickdraft_threshold": 0.3})._validate_spec_decode(None)
+    SamplingParams(extra_args={"other": 1})._validate_spec_decode(None)
+    with pytest.raises(VLLMValidationError, match="unknown quickdraft rule 'nope'"):
+        SamplingParams(extra_args={"quickdraft_rule": "nope"})._validate_spec_decode(None)
+    with pytest.raises(VLLMValidationError, match="no field treshold"):
+        SamplingParams(extra_args={"quickdraft_rule": "fsd", "quickdraft_treshold": 0.3})._validate_spec_decode(None)

@@ -34,6 +34,9 @@ own for the requests without a quickdraft rule and :func:`verify_requests` (quic
 asked for which rule is read by a thin wrapper around ``GPUModelRunner._sample`` (the CPU model
 runner inherits it), which sees the batch's requests and their ``SamplingParams``.
 
+A request's arguments are checked when vLLM admits it (:func:`validate_request`, wrapped around
+``SamplingParams._validate_spec_decode``): an unknown rule or field is an HTTP 400 from the server.
+
 Terms as in :mod:`quickdraft.verify`: *accepted*, *recovered* (emitted at the first rejection) and
 *bonus* (emitted after a fully accepted draft) tokens.
 
@@ -361,6 +364,7 @@ def apply_plan(
 
 _vllm_rejection_sample = None  # vLLM's accept step, kept by register()
 _vllm_sample = None  # GPUModelRunner._sample, kept by register()
+_vllm_validate_spec_decode = None  # SamplingParams._validate_spec_decode, kept by register()
 
 
 def rejection_sample(
@@ -397,6 +401,21 @@ def rejection_sample(
     return output
 
 
+def validate_request(self, speculative_config) -> None:
+    """``SamplingParams._validate_spec_decode`` that also builds the request's rule from its
+    ``extra_args``: vLLM runs it when it admits a request, in the process that admits it (the
+    OpenAI server's, ``LLM``'s), so a request naming an unknown rule or field is refused there with
+    vLLM's ``VLLMValidationError`` (HTTP 400 from the server, raised by ``LLM.generate``) instead
+    of being verified with vLLM's rule."""
+    _vllm_validate_spec_decode(self, speculative_config)
+    try:
+        rule_from_args(self.extra_args)
+    except QuickdraftError as error:
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(str(error), parameter="extra_args") from error
+
+
 def _warn_one_hot_drafts(plan: BatchPlan, draft_probs: torch.Tensor | None) -> None:
     if draft_probs is None and any(isinstance(r, Fuzzy) and r.threshold > 0 for r in plan.rules):
         _warn_once("fsd compares the target with one-hot argmax drafts: the proposer keeps no draft "
@@ -413,8 +432,9 @@ def plan_for_runner(runner) -> BatchPlan:
     """The :class:`BatchPlan` of the batch in ``runner.input_batch`` (a vLLM ``GPUModelRunner``):
     each request's ``extra_args``, else the engine's ``additional_config``.
 
-    A request whose arguments name no valid rule gets vLLM's rule, with an error logged (raising
-    would stop the engine core and every other request with it).
+    A request whose arguments name no valid rule (refused at admission by :func:`validate_request`,
+    so only one that got past it) gets vLLM's rule, with an error logged: raising here would stop
+    the engine core and every other request with it.
     """
     batch = runner.input_batch
     req_ids: Sequence[str] = batch.req_ids
@@ -489,8 +509,9 @@ def expand_batch_to_tokens(
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: install the hook (idempotent; vLLM calls it once
     in each of its processes)."""
-    global _vllm_rejection_sample, _vllm_sample
+    global _vllm_rejection_sample, _vllm_sample, _vllm_validate_spec_decode
     from vllm.platforms import current_platform
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -502,6 +523,9 @@ def register() -> None:
     if GPUModelRunner._sample is not _sample:
         _vllm_sample = GPUModelRunner._sample
         GPUModelRunner._sample = _sample
+    if SamplingParams._validate_spec_decode is not validate_request:
+        _vllm_validate_spec_decode = SamplingParams._validate_spec_decode
+        SamplingParams._validate_spec_decode = validate_request
 
 
 @contextlib.contextmanager
@@ -532,5 +556,6 @@ __all__ = [
     "request_row_id",
     "rule_from_args",
     "seed_generator",
+    "validate_request",
     "verify_requests",
 ]

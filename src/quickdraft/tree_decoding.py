@@ -283,12 +283,13 @@ class TreeProposer:
         config = self.config.capped(cap)
         forwards_before = draft.num_forwards
         pend_ids, pend_valid = pending_block(sequences, draft.lengths)
-        root_logits = draft.forward(pend_ids, pend_valid, logits_to_keep=1).logits[:, -1, :vocab]
+        # the tree is built on the host: the draft's logits come back from its device
+        root_logits = draft.forward(pend_ids, pend_valid, logits_to_keep=1).logits[:, -1, :vocab].cpu()
         roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
         draft.begin_tree()
 
         def expand(tokens, depths, mask, valid):
-            return draft.forward_tree(tokens, depths, mask, valid).logits
+            return draft.forward_tree(tokens, depths, mask, valid).logits.cpu()
 
         keys = None
         if self.race is not None:  # [B, D + 1] noise of the positions after depth-0 … D nodes, by row id
@@ -326,7 +327,7 @@ class TreeProposal:
 
     def verify(self, target_logits: torch.Tensor, ctx: VerifyContext, active: torch.Tensor) -> Walk:
         proposer, tree = self.proposer, self.tree
-        target_logits = target_logits[:, :, : proposer.drafter.vocab_size]  # [B, M, V]
+        target_logits = target_logits[:, :, : proposer.drafter.vocab_size].cpu()  # [B, M, V], walked on the host
         target_probs = logits_to_probs(target_logits, proposer.sampling)
         raw_target = raw_probs(target_logits) if proposer.fuzzy is not None else None
         result = verify_tree(

@@ -93,6 +93,9 @@ def test_sweep_is_a_cartesian_product_and_config_file_expands(tmp_path):
     fields = load_config_file(cfg)
     assert fields["temperatures"] == [0.7] and fields["dataset"] == "mtbench"
     assert [e.label for e in fields["entries"]] == ["ar", "sd:k=4", "fsd:threshold=0.1", "fsd:threshold=0.9", "hf-ar"]
+    store = tmp_path / "store.toml"
+    store.write_text('methods = ["sd", "rest_sd"]\ndatastore = "{stdlib}/*.py"\ndatastore_field = "text"\n')
+    assert load_config_file(store)["datastore"] == "{stdlib}/*.py"
     bad = tmp_path / "bad.toml"
     bad.write_text("metods = ['ar']\n")
     with pytest.raises(QuickdraftError, match="unknown field"):

@@ -121,6 +121,25 @@ def test_datastores_on_disk(tmp_path):
     assert read_datastore(tmp_path / "d.jsonl", field="body") == ["w1"]
 
 
+def test_glob_datastores_and_the_bench_spelling(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("w1 w2")
+    (tmp_path / "b.py").write_text("w3")
+    (tmp_path / "c.txt").write_text("w4")
+    assert read_datastore(tmp_path / "*.py") == ["w3"]
+    assert read_datastore(f"{tmp_path}/**/*.py") == ["w3", "w1 w2"]  # path order: b.py, pkg/a.py
+    with pytest.raises(QuickdraftError, match="matches no text files"):
+        read_datastore(tmp_path / "*.md")
+    import sysconfig
+
+    from quickdraft.bench import expand_datastore
+
+    monkeypatch.setenv("STORE_ROOT", str(tmp_path))
+    assert expand_datastore("$STORE_ROOT/*.py") == f"{tmp_path}/*.py"
+    assert expand_datastore("{stdlib}/*.py") == sysconfig.get_paths()["stdlib"] + "/*.py"
+    assert len(read_datastore(expand_datastore("{stdlib}/json/*.py"))) >= 4  # the standard library's json package
+
+
 @pytest.mark.parametrize("setup, needle", [
     (lambda p: p / "missing", "does not exist"),
     (lambda p: (p / "empty").mkdir() or p / "empty", "holds no text files"),
@@ -260,6 +279,13 @@ def test_cli_datastore_errors(args, needle):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and needle in lines[0], result.output
+
+
+def test_bench_needs_a_datastore_for_retrieval(tmp_path):
+    result = _run("bench", "--methods", "sd,rest_sd:k=8", "--dataset", "humaneval", "--limit", "1",
+                  "--out", str(tmp_path / "run"), "--target", "/nonexistent/model/dir")
+    assert result.exit_code == 2, result.output
+    assert "rest_sd:k=8 retrieve from a datastore: give --datastore" in result.output
 
 
 def test_cli_rest_end_to_end(tiny_pipeline, tmp_path):  # noqa: F811

@@ -335,6 +335,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         "title", "description", "dataset", "limit", "temperature", "temperatures", "seed", "max_new_tokens",
         "methods", "anchors", "sweep", "baseline", "warmup_tokens", "fidelity", "sandbox_workers",
         "target", "draft", "dtype", "draft_dtype", "threads", "backend", "quantize", "quantize_draft",
+        "datastore", "datastore_field",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -695,10 +696,13 @@ def _now() -> str:
 
 
 def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None,
-                 draft_dtype: str | None = None, backend: str = "torch") -> dict:
+                 draft_dtype: str | None = None, backend: str = "torch", datastore: dict | None = None) -> dict:
     """The models of a run as recorded in ``run.json``: quantisation only when used, so that a run
-    directory without these keys still resumes; ``draft_dtype`` is the dtype the draft was loaded in."""
+    directory without these keys still resumes; ``draft_dtype`` is the dtype the draft was loaded in;
+    ``datastore`` (path and tokens) where retrieval methods run."""
     meta: dict[str, Any] = {"target": target, "draft": draft, "dtype": dtype}
+    if datastore is not None:
+        meta["datastore"] = datastore
     if backend != "torch":
         meta["backend"] = backend
     if draft is not None and draft_dtype is not None:
@@ -708,6 +712,15 @@ def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quan
     if draft is not None and (quantize_draft or quantize) != "none":
         meta["quantize_draft"] = quantize_draft or quantize
     return meta
+
+
+def expand_datastore(spec: str) -> str:
+    """A datastore path from a config or the command line: ``~`` and ``$VARS`` expanded, and
+    ``{stdlib}`` replaced by this Python's standard library directory (a code corpus every machine
+    has, e.g. ``{stdlib}/*.py``)."""
+    import sysconfig
+
+    return os.path.expanduser(os.path.expandvars(spec.replace("{stdlib}", sysconfig.get_paths()["stdlib"])))
 
 
 def _check_same_run(existing: dict[str, Any], config: BenchConfig, models: dict[str, Any]) -> None:
@@ -947,6 +960,10 @@ def bench_command(
     warmup_tokens: Optional[int] = typer.Option(None, "--warmup-tokens", help="Default 8; 0 disables warm-up."),
     sandbox_workers: Optional[int] = typer.Option(None, "--sandbox-workers", help="Concurrent HumanEval sandboxes (default 1)."),
     llamacpp_model: Optional[str] = typer.Option(None, "--llamacpp-model", help="GGUF for the llamacpp anchor."),
+    datastore: Optional[str] = typer.Option(
+        None, "--datastore", help="rest, rest_sd: what to retrieve drafts from (as for `generate`; also a glob "
+                                  "pattern; {stdlib} stands for this Python's standard library directory)."),
+    datastore_field: Optional[str] = typer.Option(None, "--datastore-field", help="The text field of a .jsonl datastore."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
 ) -> None:
     """Benchmark methods and anchors on HumanEval / MT-Bench: speed, acceptance, pass@1, fidelity."""
@@ -959,7 +976,8 @@ def bench_command(
             entries = [e for e in entries if not e.is_anchor] + parse_entries(anchors)
         model_fields = {
             k: file_fields.pop(k, None)
-            for k in ("target", "draft", "dtype", "draft_dtype", "threads", "backend", "quantize", "quantize_draft")
+            for k in ("target", "draft", "dtype", "draft_dtype", "threads", "backend", "quantize", "quantize_draft",
+                      "datastore", "datastore_field")
         }
         cli = {
             "dataset": dataset, "limit": limit, "temperatures": list(temperature) if temperature else None,
@@ -984,6 +1002,11 @@ def bench_command(
         from quickdraft.methods import build_method
 
         prompts = load_dataset(cfg.dataset, cfg.limit)
+        datastore = datastore or model_fields["datastore"]
+        needs_datastore = [e.label for e in cfg.entries if not e.is_anchor and build_method(e.name, **e.kwargs()).needs_datastore]
+        if needs_datastore and datastore is None:
+            raise QuickdraftError(f"{', '.join(needs_datastore)} retrieve from a datastore: give --datastore or "
+                                  "`datastore` in the config")
         needs_draft = any(
             e.name in ("hf-assisted", "ovgenai-sd") or (not e.is_anchor and build_method(e.name, **e.kwargs()).needs_draft)
             for e in cfg.entries
@@ -1001,6 +1024,14 @@ def bench_command(
         )
         load_seconds = time.perf_counter() - t0
         typer.echo(f"models loaded in {load_seconds:.1f} s (excluded from every rate)", err=True)
+        datastore_meta = None
+        if datastore is not None:
+            datastore = expand_datastore(datastore)
+            t0 = time.perf_counter()
+            index = pipe.set_datastore(datastore, datastore_field or model_fields["datastore_field"] or "text")
+            datastore_meta = {"path": datastore, "tokens": int(len(index.tokens))}
+            typer.echo(f"datastore {datastore}: {len(index.tokens):,} tokens indexed in "
+                       f"{time.perf_counter() - t0:.1f} s", err=True)
         command = "quickdraft bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "bench" else sys.argv[1:])
         meta = run_bench(
             pipe, prompts, cfg, out, command=command, model_load_seconds=load_seconds,
@@ -1008,7 +1039,7 @@ def bench_command(
                                 resolve_quantize(backend, quantize), quantize_draft and resolve_quantize(backend, quantize_draft),
                                 draft_dtype=None if pipe.draft_model is None
                                 else str(getattr(pipe.draft_model, "dtype", "")).removeprefix("torch.") or None,
-                                backend=backend),
+                                backend=backend, datastore=datastore_meta),
             progress=not no_progress, llamacpp_model=llamacpp_model,
         )
     except QuickdraftError as err:

@@ -21,6 +21,7 @@ with one-hot draft distributions, exactly like prompt lookup (:class:`quickdraft
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from pathlib import Path
@@ -236,8 +237,15 @@ class RetrievalIndex:
 
 def read_datastore(path: str | os.PathLike[str], field: str = "text") -> list[str]:
     """The documents of the datastore at ``path``: a text file (one document), a ``.jsonl`` file
-    (the ``field`` of each line's object), or a directory (each file under it, recursively, in
-    name order; hidden files and folders, files that are not UTF-8 text are skipped)."""
+    (the ``field`` of each line's object), a directory (each file under it, recursively, in
+    name order; hidden files and folders, files that are not UTF-8 text are skipped), or a glob
+    pattern (``src/**/*.py``: each matching file, in name order, read as in a directory)."""
+    if any(c in str(path) for c in "*?["):
+        matches = sorted(Path(m) for m in glob.glob(str(path), recursive=True))
+        texts = [t for m in matches if m.is_file() for t in _read_file(m, field, strict=False)]
+        if not any(texts):
+            raise QuickdraftError(f"datastore pattern {path} matches no text files")
+        return texts
     root = Path(path)
     if not root.exists():
         raise QuickdraftError(f"datastore {path} does not exist")

@@ -20,7 +20,8 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 * a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``; ``sdc`` / ``sdcN``
   (and ``ngram_sdc``…): at most that many, under the :class:`Confidence` policy (``--p-min``); ``ngram`` /
   ``ngramN``: prompt lookup (no draft model), n-grams of ``--ngram-min`` to 3 tokens; ``ngram_sd`` /
-  ``ngram_sdN``: prompt lookup (2-4-grams, ``--lookup-k`` tokens) where it matches, else the draft model
+  ``ngram_sdN``: prompt lookup (2-4-grams, ``--lookup-k`` tokens) where it matches, else the draft model;
+  ``phrase_sd`` / ``phrase_sdN``: the draft model's drafts extended from a phrase pool (Ouroboros)
 
 ``x_own_ar`` divides by the plain decoding of the same *target* weights (``torch-fp32/int4-sd`` is
 compared with ``torch-fp32-ar``).
@@ -76,10 +77,10 @@ def openvino_weights(label: str) -> tuple[str, int | None]:
 def parse_config(config: str) -> tuple[str, str, int | None]:
     """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8)."""
     key, method = config.rsplit("-", 1)
-    m = re.fullmatch(r"(ar|sd|ngram_sd|ngram)(c?)(\d*)|anchor", method)
+    m = re.fullmatch(r"(ar|sd|ngram_sd|ngram|phrase_sd)(c?)(\d*)|anchor", method)
     if m is None:
         raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, sdcN, ngram, ngramN, ngram_sd, ngram_sdN, "
-                         "ngram_sdcN or anchor")
+                         "ngram_sdcN, phrase_sd, phrase_sdN or anchor")
     if method == "anchor":
         return key, "anchor", None
     return key, m.group(1) + m.group(2), int(m.group(3)) if m.group(3) else None

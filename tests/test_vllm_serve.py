@@ -158,6 +158,17 @@ def test_fsd_request_is_answered_and_moves_vllms_acceptance(server, client):
     assert drafted_2 > drafted_1 and accepted_2 == accepted_1
 
 
+def test_fsd_greedy_request_sees_the_drafts_distribution(server, client):
+    # a greedy request alone in its batch: vLLM's proposer keeps no draft distribution, the plugin's
+    # proposer hook does (the temperature-1 softmax); against one-hot drafts js is infinite and a
+    # finite threshold accepts nothing, against the draft's softmax it is finite
+    drafted_0, accepted_0 = _spec_counters(server)
+    tokens = _complete(client, PROMPTS[1], 0.0, {"quickdraft_rule": "fsd", "quickdraft_threshold": 1e9})
+    drafted_1, accepted_1 = _spec_counters(server)
+    assert len(tokens) == MAX_TOKENS
+    assert drafted_1 > drafted_0 and accepted_1 - accepted_0 == drafted_1 - drafted_0
+
+
 def test_unknown_rule_is_a_400_and_the_server_keeps_answering(server, client):
     import openai
 

@@ -49,7 +49,8 @@ What the rules see
 ``draft_probs``
     the proposer's distributions when it keeps them (the draft-model proposer with
     ``speculative_config["draft_sample_method"] = "probabilistic"``: softmax of the draft logits at
-    the request's temperature); otherwise the one-hot vector of each draft token, as vLLM itself
+    the request's temperature, at temperature 1 for a greedy request, also in a batch of greedy
+    requests alone, for which :func:`sample_draft_tokens` keeps them); otherwise the one-hot vector of each draft token, as vLLM itself
     treats argmax drafts (lossless: an argmax draft is a deterministic function of the prefix).
 raw distributions (``VerifyContext.raw_*``, read by FSD's divergence)
     the same softmaxes without the greedy one-hot; vLLM does not hand the accept step the
@@ -365,6 +366,7 @@ def apply_plan(
 _vllm_rejection_sample = None  # vLLM's accept step, kept by register()
 _vllm_sample = None  # GPUModelRunner._sample, kept by register()
 _vllm_validate_spec_decode = None  # SamplingParams._validate_spec_decode, kept by register()
+_vllm_sample_draft_tokens = None  # SpecDecodeBaseProposer._sample_draft_tokens, kept by register()
 
 
 def rejection_sample(
@@ -414,6 +416,29 @@ def validate_request(self, speculative_config) -> None:
         from vllm.exceptions import VLLMValidationError
 
         raise VLLMValidationError(str(error), parameter="extra_args") from error
+
+
+def sample_draft_tokens(
+    self,
+    hidden_states: torch.Tensor,  # [n, hidden]
+    sampling_metadata,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``SpecDecodeBaseProposer._sample_draft_tokens`` that keeps the draft's distribution for a
+    batch of greedy requests too: ``(draft_ids [n], draft_probs [n, V])``.
+
+    With ``draft_sample_method="probabilistic"``, vLLM's proposer hands the accept step the softmax
+    of the draft logits at each request's temperature, a greedy request's at temperature 1 -- but
+    only when the batch holds a request at a temperature above 0; for a batch of greedy requests it
+    keeps none, and FSD then compares the target with one-hot drafts (``js`` infinite: nothing
+    accepted). Here such a batch gets the same as in a mixed batch: the argmax draft, as vLLM's
+    (its greedy output is unchanged: vLLM's greedy accept step ignores the draft distribution),
+    with the temperature-1 softmax beside it.
+    """
+    if (not getattr(self, "_enable_probabilistic_draft_probs", False) or not sampling_metadata.all_greedy
+            or getattr(self, "use_heterogeneous_vocab", False) or getattr(self, "use_local_argmax_reduction", False)):
+        return _vllm_sample_draft_tokens(self, hidden_states, sampling_metadata)
+    logits = self.model.compute_logits(hidden_states)  # [n, V]
+    return logits.argmax(dim=-1), logits.softmax(dim=-1, dtype=torch.float32)
 
 
 def _warn_one_hot_drafts(plan: BatchPlan, draft_probs: torch.Tensor | None) -> None:
@@ -509,10 +534,11 @@ def expand_batch_to_tokens(
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: install the hook (idempotent; vLLM calls it once
     in each of its processes)."""
-    global _vllm_rejection_sample, _vllm_sample, _vllm_validate_spec_decode
+    global _vllm_rejection_sample, _vllm_sample, _vllm_validate_spec_decode, _vllm_sample_draft_tokens
     from vllm.platforms import current_platform
     from vllm.sampling_params import SamplingParams
     from vllm.v1.sample import rejection_sampler
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if current_platform.is_cpu():
@@ -526,6 +552,9 @@ def register() -> None:
     if SamplingParams._validate_spec_decode is not validate_request:
         _vllm_validate_spec_decode = SamplingParams._validate_spec_decode
         SamplingParams._validate_spec_decode = validate_request
+    if SpecDecodeBaseProposer._sample_draft_tokens is not sample_draft_tokens:
+        _vllm_sample_draft_tokens = SpecDecodeBaseProposer._sample_draft_tokens
+        SpecDecodeBaseProposer._sample_draft_tokens = sample_draft_tokens
 
 
 @contextlib.contextmanager
@@ -555,6 +584,7 @@ __all__ = [
     "rejection_sample",
     "request_row_id",
     "rule_from_args",
+    "sample_draft_tokens",
     "seed_generator",
     "validate_request",
     "verify_requests",

@@ -115,6 +115,12 @@ def generate(
         "topk", "--sampling", help="tree: how children are drawn: topk, with_replacement, without_replacement, greedy (--rule ersd: race)."
     ),
     tree_rule: str = typer.Option("lossless", "--rule", help="tree: lossless, fsd (FSD on trees; --divergence/--threshold) or ersd (race candidates, --topk per node)."),
+    tree_shape: str = typer.Option(
+        "dynamic", "--tree-shape", help="tree --rule ersd: dynamic (EAGLE-2-style race trees) or optimal (the static "
+        "Tunstall tree of --tree-budget nodes, at most --depth deep, for the pair's rank law; docs/trees.md)."),
+    rank_law: str = typer.Option(
+        "", "--rank-law", help="--tree-shape optimal: rank-law JSON of the pair (benchmarks/estimate_rank_law.py); "
+        "default: the shipped laws of the default pair on openvino."),
     datastore: Optional[str] = typer.Option(
         None, "--datastore", help="rest, rest_sd: what to retrieve drafts from: a directory of text files (e.g. a "
         "source tree), a text file, a .jsonl corpus, or an index saved by RetrievalIndex.save (.npz)."),
@@ -135,7 +141,8 @@ def generate(
             drafts=drafts, epsilon=epsilon,
             delta=delta, lantern_k=lantern_k, lantern_delta=lantern_delta, candidates=candidates, seed=seed, head=head,
             stop_threshold=stop_threshold, tree_budget=tree_budget, depth=depth, topk=topk, verifier=verifier,
-            tree_sampling=tree_sampling, tree_rule=tree_rule, phrase_len=phrase_len, phrase_pool=phrase_pool,
+            tree_sampling=tree_sampling, tree_rule=tree_rule, tree_shape=tree_shape, rank_law=rank_law,
+            phrase_len=phrase_len, phrase_pool=phrase_pool,
             phrase_max_draft=phrase_max_draft,
         )
         from quickdraft.engine import check_max_new_tokens

@@ -104,6 +104,8 @@ def build_method(
     verifier: str = "rrs",
     tree_sampling: str = "topk",
     tree_rule: str = "lossless",
+    tree_shape: str = "dynamic",
+    rank_law: str = "",
     phrase_len: int = 8,
     phrase_pool: int = 4096,
     phrase_max_draft: int = 16,
@@ -119,6 +121,10 @@ def build_method(
     default, whose usage example uses threshold 0.4), ``jsd`` the textbook Jensen–Shannon divergence.
     ``lantern_k`` and ``lantern_delta`` are the neighbourhood size and total-variation budget of
     :class:`quickdraft.rules.Latent`; its neighbourhood table is attached by ``Pipeline.generate``.
+    ``tree_shape`` (``tree`` with ``tree_rule="ersd"``): ``dynamic`` (EAGLE-2-style race trees of
+    ``depth``, ``topk``, ``tree_budget``) or ``optimal`` (the static Tunstall tree of ``tree_budget``
+    nodes, at most ``depth`` deep, for the pair's rank law at the sampling temperature, read from the
+    file ``rank_law``; ``""``: the default pair's shipped laws; :mod:`quickdraft.tree_shapes`).
     ``phrase_len``, ``phrase_pool`` and ``phrase_max_draft`` are ``phrase_sd``'s
     :class:`quickdraft.phrase.PhraseConfig` (longest phrase, phrases per row, draft tokens per step).
     """
@@ -150,6 +156,17 @@ def build_method(
     if name == "tree":
         from quickdraft.tree import TreeConfig, check_combination
 
+        from quickdraft.tree_shapes import TREE_SHAPES, RankLawFile, optimal_tree_config
+
+        if tree_shape not in TREE_SHAPES:
+            raise QuickdraftError(f"unknown tree shape {tree_shape!r}; choose one of {', '.join(TREE_SHAPES)}")
+        if tree_shape == "optimal":  # the static Tunstall tree of the pair's rank law
+            if tree_rule != "ersd":
+                raise QuickdraftError("tree shape 'optimal' is a race tree: use it with rule ersd")
+            law = RankLawFile.load(rank_law).at(sampling.temperature).law
+            config = optimal_tree_config(law, tree_budget, max_depth=depth)
+            rule = rules.ExponentialRace(seed=seed, candidates=config.topk)
+            return MethodSpec(name, "tree", rule, pol, needs_draft=True, tree=config, verifier=verifier)
         if tree_rule == "ersd":  # race candidates unless another scheme is asked for (any is lossless)
             scheme = "race" if tree_sampling == "topk" else tree_sampling
             config = TreeConfig(depth=depth, topk=topk, budget=tree_budget, scheme=scheme)

@@ -524,10 +524,10 @@ def test_typical_validation():
 def test_rule_registry_and_flags():
     from quickdraft.rules import RULES, ExponentialRace
 
-    assert set(RULES) == {"lossless", "greedy", "fsd", "typical", "ersd", "lantern"}
+    assert set(RULES) == {"lossless", "greedy", "fsd", "typical", "ersd", "lantern", "contrastive"}
     assert all(RULES[name]().name == name for name in RULES)
-    assert [RULES[n]().lossless for n in ("lossless", "greedy", "fsd", "typical", "ersd", "lantern")] == [
-        True, True, False, False, True, False]
+    assert [RULES[n]().lossless for n in ("lossless", "greedy", "fsd", "typical", "ersd", "lantern", "contrastive")] == [
+        True, True, False, False, True, False, False]
     assert not ExponentialRace().needs_raw and Fuzzy().needs_raw and not Fuzzy(hybrid=True, threshold=0).needs_raw
 
 

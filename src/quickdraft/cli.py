@@ -104,6 +104,12 @@ def generate(
     lantern_delta: float = typer.Option(
         0.1, "--lantern-delta", help="lantern: total-variation budget delta in [0, 1] of the pooled target mass "
         "(0 = lossless)."),
+    cd_alpha: float = typer.Option(
+        0.1, "--cd-alpha", help="cd, scd: plausibility cut alpha in [0, 1]: only tokens the target gives at least alpha "
+        "times its top probability."),
+    cd_beta: float = typer.Option(
+        0.5, "--cd-beta", help="cd, scd: weight beta >= 0 of the amateur (draft model): scores log p_target - beta "
+        "log p_draft (0 = the target cut at alpha)."),
     candidates: int = typer.Option(1, help="ersd: candidates per position (> 1: a race tree of depth K, --tree-budget nodes)."),
     head: Optional[str] = typer.Option(None, help="specdecpp: path of the trained acceptance head."),
     stop_threshold: float = typer.Option(0.5, "--stop-threshold", help="specdecpp: stop when P(reject) > h; confidence: p_min."),
@@ -139,7 +145,8 @@ def generate(
             method, k=k, policy=policy, sampling=sampling, divergence=_divergence_name(divergence), threshold=threshold,
             hybrid=hybrid, fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, divergence_top_p=divergence_top_p,
             drafts=drafts, epsilon=epsilon,
-            delta=delta, lantern_k=lantern_k, lantern_delta=lantern_delta, candidates=candidates, seed=seed, head=head,
+            delta=delta, lantern_k=lantern_k, lantern_delta=lantern_delta, cd_alpha=cd_alpha, cd_beta=cd_beta,
+            candidates=candidates, seed=seed, head=head,
             stop_threshold=stop_threshold, tree_budget=tree_budget, depth=depth, topk=topk, verifier=verifier,
             tree_sampling=tree_sampling, tree_rule=tree_rule, tree_shape=tree_shape, rank_law=rank_law,
             phrase_len=phrase_len, phrase_pool=phrase_pool,

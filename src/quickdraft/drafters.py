@@ -37,6 +37,7 @@ class Draft:
     lengths: torch.Tensor  # [B] int64, tokens actually drafted per row (<= K)
     raw_probs: torch.Tensor | None = None  # [B, K, V] temperature-1 distributions, when the rule wants them
     forwards: int = 0  # draft-model forwards spent
+    logits: torch.Tensor | None = None  # [B, K, V] the draft model's logits, when its drafter keeps them
 
     def truncate(self, k: int) -> "Draft":
         """The first ``k`` columns (rows that drafted more keep ``k`` of them)."""
@@ -45,12 +46,14 @@ class Draft:
         return Draft(
             ids=self.ids[:, :k], probs=self.probs[:, :k], lengths=self.lengths.clamp_max(k),
             raw_probs=None if self.raw_probs is None else self.raw_probs[:, :k], forwards=self.forwards,
+            logits=None if self.logits is None else self.logits[:, :k],
         )
 
     def to(self, device: torch.device) -> "Draft":
         return Draft(
             ids=self.ids.to(device), probs=self.probs.to(device), lengths=self.lengths.to(device),
             raw_probs=None if self.raw_probs is None else self.raw_probs.to(device), forwards=self.forwards,
+            logits=None if self.logits is None else self.logits.to(device),
         )
 
 
@@ -88,13 +91,15 @@ def one_hot_draft(found: list[list[int]], vocab_size: int, rule: Rule) -> Draft:
 
 
 class ModelDrafter:
-    """Draft with a smaller causal LM, one forward per draft token, through the rule's ``propose``."""
+    """Draft with a smaller causal LM, one forward per draft token, through the rule's ``propose``;
+    ``keep_logits``: its drafts carry the model's logits (:attr:`Draft.logits`)."""
 
     name = "model"
 
-    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, vocab_size: int, keep_logits: bool = False) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
+        self.keep_logits = keep_logits
 
     def start(self, sequences: list[list[int]]) -> None:
         self.runner.reset(len(sequences))
@@ -117,7 +122,7 @@ class ModelDrafter:
     ) -> Draft:
         max_k = policy.begin_step()
         ids, valid = pending_block(sequences, self.runner.lengths)
-        tokens, dists, raws = [], [], []
+        tokens, dists, raws, kept = [], [], [], []
         forwards = 0
         for i in range(max_k):
             out = self.runner.forward(ids, valid, logits_to_keep=1, output_hidden=policy.needs_hidden)
@@ -128,6 +133,8 @@ class ModelDrafter:
             token = rule.propose(probs, ctx, offset=i)  # [B]
             tokens.append(token)
             dists.append(probs)
+            if self.keep_logits:
+                kept.append(logits)
             raw = raw_probs(logits) if getattr(rule, "needs_raw", False) or i + 1 < max_k else None
             if getattr(rule, "needs_raw", False):
                 raws.append(raw)
@@ -145,6 +152,7 @@ class ModelDrafter:
             lengths=lengths,
             raw_probs=torch.stack(raws, dim=1) if raws else None,
             forwards=forwards,
+            logits=torch.stack(kept, dim=1) if kept else None,
         )
 
     def commit(self, sequences: list[list[int]], valid_prefix: torch.Tensor) -> None:

@@ -35,20 +35,21 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
+from quickdraft.contrastive import ContrastiveProposer
 from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter, pending_block
 from quickdraft.errors import QuickdraftError
 from quickdraft.metrics import GenerationMetrics
 from quickdraft.policies import Constant, Policy
 from quickdraft.proposals import ChainProposer, Proposer, Walk
-from quickdraft.rules import Greedy, Lossless, Rule, VerifyContext
+from quickdraft.rules import Contrastive, Greedy, Lossless, Rule, VerifyContext
 from quickdraft.runner import ModelRunner
 from quickdraft.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from quickdraft.tree_decoding import TreeDrafter
 
-Method = Literal["ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "tree"]
-METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "tree")
+Method = Literal["ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "cd", "scd", "tree"]
+METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "cd", "scd", "tree")
 
 #: called as ``on_tokens(row, new_token_ids)`` whenever a row gains tokens
 TokenCallback = Callable[[int, list[int]], None]
@@ -192,14 +193,16 @@ def generate(
         ``B`` non-empty lists of token ids in ``[0, vocab_size)`` of the target.
     method:
         ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` / ``"ngram_sd"`` / ``"rest"`` / ``"rest_sd"`` /
-        ``"phrase_sd"`` chain speculative decoding with ``drafter``, ``"tree"`` token-tree
-        speculative decoding.
+        ``"phrase_sd"`` chain speculative decoding with ``drafter``, ``"cd"`` / ``"scd"`` contrastive
+        decoding with the draft model as the amateur, plain / speculative (:mod:`quickdraft.contrastive`),
+        ``"tree"`` token-tree speculative decoding.
     drafter:
         A :class:`ModelDrafter` (``"sd"``), :class:`NGramDrafter` (``"ngram"``),
         :class:`quickdraft.retrieval.RetrievalDrafter` (``"rest"``), :class:`NGramModelDrafter`
         (``"ngram_sd"`` / ``"rest_sd"``: prompt lookup / retrieval, the draft model where it finds
         nothing), :class:`quickdraft.phrase.PhraseDrafter` (``"phrase_sd"``: the draft model's
-        tokens extended by phrases) or :class:`quickdraft.tree_decoding.TreeDrafter` (``"tree"``).
+        tokens extended by phrases), :class:`quickdraft.contrastive.ContrastiveDrafter` (``"cd"`` /
+        ``"scd"``) or :class:`quickdraft.tree_decoding.TreeDrafter` (``"tree"``).
     rule:
         Acceptance rule (default: :func:`default_rule`); trees take the lossless rules, FSD and
         ERSD (:mod:`quickdraft.tree_decoding`).
@@ -330,6 +333,9 @@ class Decoder:
         self.proposer = proposer_for(None if method == "ar" else drafter, self.policy, self.rule, sampling, self.vocab)
         if (method == "tree") == isinstance(self.proposer, ChainProposer):
             raise QuickdraftError(f"method {method!r} cannot draft with a {type(drafter).__name__}")
+        if isinstance(self.rule, Contrastive) and not isinstance(self.proposer, ContrastiveProposer):
+            raise QuickdraftError("the contrastive rule verifies against scores made from the amateur's distributions: "
+                                  "run it with method cd or scd")
         self._check_context(prompts, [max_new_tokens] * len(prompts))
 
         b = len(prompts)

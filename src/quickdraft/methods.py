@@ -15,6 +15,10 @@ rest_sd    both       greedy (T = 0) or lossless (T > 0)         retrieval where
                                                                  else the draft model
 phrase_sd  draft LM   greedy (T = 0) or lossless (T > 0)         Ouroboros phrases from a pool
            + pool                                                extend the draft model's drafts
+cd         draft LM   Contrastive(cd_alpha, cd_beta)             contrastive decoding: no drafts,
+                                                                 the draft model the amateur
+scd        draft LM   Contrastive(cd_alpha, cd_beta)             speculative contrastive decoding:
+                                                                 lossless w.r.t. cd, not the target
 fsd        draft LM   Fuzzy(divergence, threshold, hybrid)       lossy unless T = 0
 typical    draft LM   Typical(epsilon, delta)                    lossy
 lantern    draft LM   Latent(lantern_k, lantern_delta)           lossy unless δ = 0 or k = 1;
@@ -37,7 +41,8 @@ from quickdraft.rules import Rule
 from quickdraft.sampling import SamplingParams
 
 METHOD_NAMES: tuple[str, ...] = (
-    "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "fsd", "typical", "lantern", "ersd", "tree")
+    "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "cd", "scd", "fsd", "typical", "lantern", "ersd",
+    "tree")
 #: how lossy rules draft: ``auto`` (FSD: greedy, hybrid FSD and typical: sampled), ``greedy``, ``sampled``
 DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 
@@ -45,7 +50,7 @@ DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 @dataclass
 class MethodSpec:
     name: str
-    engine_method: str  # "ar" | "sd" | "ngram" | "ngram_sd" | "rest" | "rest_sd" | "phrase_sd" | "tree"
+    engine_method: str  # "ar" | "sd" | "ngram" | "ngram_sd" | "rest" | "rest_sd" | "phrase_sd" | "cd" | "scd" | "tree"
     rule: Rule
     policy: Policy
     needs_draft: bool
@@ -94,6 +99,8 @@ def build_method(
     delta: float = 0.3,
     lantern_k: int = 100,
     lantern_delta: float = 0.1,
+    cd_alpha: float = 0.1,
+    cd_beta: float = 0.5,
     candidates: int = 1,
     seed: int = 0,
     head: str | None = None,
@@ -125,6 +132,8 @@ def build_method(
     ``depth``, ``topk``, ``tree_budget``) or ``optimal`` (the static Tunstall tree of ``tree_budget``
     nodes, at most ``depth`` deep, for the pair's rank law at the sampling temperature, read from the
     file ``rank_law``; ``""``: the default pair's shipped laws; :mod:`quickdraft.tree_shapes`).
+    ``cd_alpha`` and ``cd_beta`` are contrastive decoding's plausibility cut α and amateur weight β
+    (:class:`quickdraft.rules.Contrastive`) of ``cd`` and ``scd``.
     ``phrase_len``, ``phrase_pool`` and ``phrase_max_draft`` are ``phrase_sd``'s
     :class:`quickdraft.phrase.PhraseConfig` (longest phrase, phrases per row, draft tokens per step).
     """
@@ -150,6 +159,9 @@ def build_method(
 
         config = PhraseConfig(max_phrase=phrase_len, pool_size=phrase_pool, max_draft=phrase_max_draft)
         return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=True, phrase=config)
+    if name in ("cd", "scd"):  # the draft model is the amateur; greedy: exact match against cd's argmax
+        rule = rules.Contrastive(alpha=cd_alpha, beta=cd_beta, greedy_drafts=sampling.greedy)
+        return MethodSpec(name, name, rule, pol, needs_draft=True)
     if name in ("sd", "ngram", "ngram_sd", "rest", "rest_sd"):
         return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name not in ("ngram", "rest"),
                           needs_datastore=name in ("rest", "rest_sd"))

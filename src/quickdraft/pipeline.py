@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from quickdraft.contrastive import ContrastiveDrafter
 from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
 from quickdraft.engine import Method, generate
 from quickdraft.errors import QuickdraftError
@@ -287,7 +288,8 @@ class Pipeline:
         """The drafter of ``method`` (``None`` for ``ar``) over ``draft`` (default: this pipeline's
         draft runner); ``tree`` and ``verifier`` shape the ``tree`` method's trees (default
         :class:`TreeConfig`); ``rest`` and ``rest_sd`` retrieve from ``datastore`` (default:
-        :attr:`datastore`); ``phrase_sd`` drafts with ``phrase`` (default :class:`PhraseConfig`)."""
+        :attr:`datastore`); ``phrase_sd`` drafts with ``phrase`` (default :class:`PhraseConfig`); ``cd``
+        and ``scd`` take the draft model as the amateur (:class:`ContrastiveDrafter`, its full head)."""
         ngram_min, ngram_max = ngram or self.NGRAM_DEFAULTS.get(method, (1, 3))
         draft = draft if draft is not None else self.draft
         datastore = datastore if datastore is not None else self.datastore
@@ -313,6 +315,12 @@ class Pipeline:
                                      ModelDrafter(draft, self.vocab_size), lookup_k=lookup_k)
         if method == "phrase_sd":
             return PhraseDrafter(draft, self.vocab_size, phrase or PhraseConfig())
+        if method in ("cd", "scd"):
+            if getattr(draft, "head_ids", None) is not None:  # an openvino draft with a reduced head
+                raise QuickdraftError(f"method {method!r} contrasts the target with the draft model's whole "
+                                      "distribution; this draft has a reduced head: load it with its full head "
+                                      "(--draft-vocab 0, or an explicit --quantize-draft)")
+            return ContrastiveDrafter(draft, self.vocab_size, drafts=method == "scd")
         return ModelDrafter(draft, self.vocab_size)
 
     # -- latent neighbourhoods (LANTERN) ---------------------------------------------------------

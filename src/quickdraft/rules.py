@@ -29,6 +29,7 @@ class               lossless    acceptance
 :class:`Typical`    no          p(x) > min(ε, δ·exp(−H(p))) (Medusa typical acceptance)
 :class:`ExponentialRace`  yes   x = argmin_v E_v / p(v) with shared arrival times E (ERSD)
 :class:`Latent`     δ = 0, k = 1  u < min(1, p̃(x)/q(x)), p̃ pooling x's latent neighbours (LANTERN)
+:class:`Contrastive`  to CD     the lossless / greedy test against contrastive decoding's p_cd
 ==================  ==========  ============================================================
 """
 
@@ -765,9 +766,111 @@ class Latent(Rule):
         return sample(target_probs, ctx.generator)
 
 
+# ---------------------------------------------------------------------------------------------
+# speculative contrastive decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def contrastive_scores(target_logits: torch.Tensor, amateur_logits: torch.Tensor, alpha: float,
+                       beta: float) -> torch.Tensor:
+    r"""Contrastive decoding's token scores (Li et al., ACL 2023, arXiv:2210.15097), the target as
+    the expert and the draft model as the amateur.
+
+    .. math::
+
+        s(x) = \begin{cases} \log p_{exp}(x) - \beta \log p_{ama}(x) & x \in V_{head} \\
+        -\infty & \text{otherwise} \end{cases}
+        \qquad V_{head} = \{x : p_{exp}(x) \ge \alpha \max_v p_{exp}(v)\}
+
+    with p_exp and p_ama the temperature-1 softmax of ``target_logits`` and ``amateur_logits``. They
+    are logits like any others: greedy contrastive decoding takes their argmax, sampling at
+    temperature T the softmax of s / T (then top-k / top-p), p_cd ∝ p_exp^{1/T} p_ama^{−β/T} on
+    V_head. An amateur temperature τ is β → β / τ (a constant shift of s changes nothing).
+
+    ``target_logits`` and ``amateur_logits`` ``[..., V]`` at the same positions; returns ``[..., V]``
+    float32. The target's most likely token is always in V_head; with ``beta = 0`` the scores
+    are the target's log-probabilities on V_head (``alpha = 0``: the target itself).
+
+    >>> scores = contrastive_scores(torch.tensor([0.6, 0.36, 0.04]).log(), torch.tensor([0.9, 0.05, 0.05]).log(),
+    ...                             alpha=0.1, beta=1.0)   # token 2 is below 0.1 x 0.6: implausible
+    >>> [round(s, 3) for s in scores.exp().tolist()]       # p_exp / p_ama on V_head
+    [0.667, 7.2, 0.0]
+    """
+    expert = target_logits.float().log_softmax(dim=-1)
+    scores = expert if beta == 0 else expert - beta * amateur_logits.float().log_softmax(dim=-1)
+    if alpha == 0:
+        return scores
+    head = expert >= expert.amax(dim=-1, keepdim=True) + math.log(alpha)  # [..., V] V_head
+    return scores.masked_fill(~head, -math.inf)
+
+
+@dataclass(frozen=True)
+class Contrastive(Rule):
+    """Speculative contrastive decoding, SCD (Yuan et al., ACL 2024, arXiv:2311.08981): the draft
+    model drafts and, as contrastive decoding's amateur, turns the target's logits into the
+    contrastive scores of :func:`contrastive_scores` at every verified position, which are then
+    processed (temperature, top-k, top-p) into p_cd and verified against as the target's would be:
+    exact match with the argmax of p_cd at temperature 0 (``greedy_drafts``), speculative
+    sampling (:class:`Lossless`: u < min(1, p_cd(x)/q(x)), residual norm(max(0, p_cd − q)))
+    otherwise.
+
+    The rule sees processed distributions only; the scores are computed by the proposal of the
+    ``cd`` and ``scd`` methods (:class:`quickdraft.contrastive.ContrastiveProposal`), which runs the
+    amateur one token beyond the draft so that the bonus token is from p_cd as well. So every
+    emitted token follows p_cd: ``scd`` is lossless *with respect to contrastive decoding* —
+    greedy ``scd`` equals greedy ``cd`` token for token — and lossy with respect to the target
+    (:attr:`lossless` is the target's: only β = 0 with α = 0).
+
+    Attributes
+    ----------
+    alpha:
+        α ∈ [0, 1], the plausibility cut: tokens below α times the target's largest probability
+        are excluded (Li et al.: 0.1; 0: none; 1: only the target's argmax).
+    beta:
+        β ≥ 0, the weight of the amateur's log-probability (Li et al.'s contrastive decoding: 1;
+        0: the target cut to V_head).
+    greedy_drafts:
+        Draft the amateur's argmax and accept by exact match (temperature 0), instead of
+        sampling and the lossless test.
+    """
+
+    alpha: float = 0.1
+    beta: float = 0.5
+    greedy_drafts: bool = False
+
+    name = "contrastive"
+
+    def __post_init__(self) -> None:
+        a, b = self.alpha, self.beta
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise QuickdraftError(f"contrastive decoding alpha must be a plausibility cut in [0, 1], got {a!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b >= 0 and math.isfinite(b)):
+            raise QuickdraftError(f"contrastive decoding beta must be a finite number >= 0, got {b!r}")
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        """With respect to the target: only at β = 0 and α = 0, where p_cd is the target's."""
+        return self.beta == 0 and self.alpha == 0
+
+    def scores(self, target_logits: torch.Tensor, amateur_logits: torch.Tensor) -> torch.Tensor:
+        """:func:`contrastive_scores` with this rule's α and β (``[..., V]`` both)."""
+        return contrastive_scores(target_logits, amateur_logits, self.alpha, self.beta)
+
+    @property
+    def test(self) -> Rule:
+        """The test against p_cd: :class:`Greedy` with greedy drafts, else :class:`Lossless`."""
+        return Greedy() if self.greedy_drafts else Lossless()
+
+    def accept(self, draft_ids, draft_probs, target_probs, ctx):
+        return self.test.accept(draft_ids, draft_probs, target_probs, ctx)
+
+    def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
+        return self.test.correct(rejected_ids, draft_probs, target_probs, ctx, offsets)
+
+
 #: rule classes by their CLI / results name
 RULES: dict[str, type[Rule]] = {
-    rule.name: rule for rule in (Lossless, Greedy, Fuzzy, Typical, ExponentialRace, Latent)
+    rule.name: rule for rule in (Lossless, Greedy, Fuzzy, Typical, ExponentialRace, Latent, Contrastive)
 }
 
 __all__ = [
@@ -781,6 +884,8 @@ __all__ = [
     "ExponentialRace",
     "Latent",
     "LatentNeighbourhoods",
+    "Contrastive",
+    "contrastive_scores",
     "acceptance_probability",
     "latent_mass",
     "latent_neighbourhoods",

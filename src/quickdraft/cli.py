@@ -161,10 +161,16 @@ def generate(
             check_prompt_text(prompt)
         check_stop_strings(stop)
         check_datastore_option(method, spec.needs_datastore, datastore)
+        threads = None
+        if spec.engine_method == "amusd" and resolve_backend(backend) == "openvino":  # both models run at once
+            from quickdraft.amusd import split_threads
+            from quickdraft.backends.openvino.runner import openvino_threads
+
+            threads = split_threads(openvino_threads())
         pipe = Pipeline.from_specs(
             target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
             quantize_draft=quantize_draft, draft_dtype=draft_dtype, exact=exact,
-            draft_vocab=draft_vocab if spec.needs_draft else None,
+            draft_vocab=draft_vocab if spec.needs_draft else None, threads=threads,
         )
         if datastore is not None:
             pipe.set_datastore(datastore, datastore_field)

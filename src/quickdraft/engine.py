@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
+from quickdraft.amusd import AsyncProposer
 from quickdraft.contrastive import ContrastiveProposer
 from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter, pending_block
 from quickdraft.errors import QuickdraftError
@@ -48,8 +49,9 @@ from quickdraft.sampling import SamplingParams
 if TYPE_CHECKING:
     from quickdraft.tree_decoding import TreeDrafter
 
-Method = Literal["ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "cd", "scd", "tree"]
-METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "cd", "scd", "tree")
+Method = Literal["ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "amusd", "cd", "scd", "tree"]
+METHODS: tuple[str, ...] = (
+    "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "amusd", "cd", "scd", "tree")
 
 #: called as ``on_tokens(row, new_token_ids)`` whenever a row gains tokens
 TokenCallback = Callable[[int, list[int]], None]
@@ -193,7 +195,8 @@ def generate(
         ``B`` non-empty lists of token ids in ``[0, vocab_size)`` of the target.
     method:
         ``"ar"`` plain decoding, ``"sd"`` / ``"ngram"`` / ``"ngram_sd"`` / ``"rest"`` / ``"rest_sd"`` /
-        ``"phrase_sd"`` chain speculative decoding with ``drafter``, ``"cd"`` / ``"scd"`` contrastive
+        ``"phrase_sd"`` chain speculative decoding with ``drafter``, ``"amusd"`` chains drafted on a
+        thread of their own while the target verifies (:mod:`quickdraft.amusd`), ``"cd"`` / ``"scd"`` contrastive
         decoding with the draft model as the amateur, plain / speculative (:mod:`quickdraft.contrastive`),
         ``"tree"`` token-tree speculative decoding.
     drafter:
@@ -201,7 +204,8 @@ def generate(
         :class:`quickdraft.retrieval.RetrievalDrafter` (``"rest"``), :class:`NGramModelDrafter`
         (``"ngram_sd"`` / ``"rest_sd"``: prompt lookup / retrieval, the draft model where it finds
         nothing), :class:`quickdraft.phrase.PhraseDrafter` (``"phrase_sd"``: the draft model's
-        tokens extended by phrases), :class:`quickdraft.contrastive.ContrastiveDrafter` (``"cd"`` /
+        tokens extended by phrases), :class:`quickdraft.amusd.AsyncDrafter` (``"amusd"``),
+        :class:`quickdraft.contrastive.ContrastiveDrafter` (``"cd"`` /
         ``"scd"``) or :class:`quickdraft.tree_decoding.TreeDrafter` (``"tree"``).
     rule:
         Acceptance rule (default: :func:`default_rule`); trees take the lossless rules, FSD and
@@ -331,7 +335,8 @@ class Decoder:
         self.stop = stop
         self.on_tokens = on_tokens
         self.proposer = proposer_for(None if method == "ar" else drafter, self.policy, self.rule, sampling, self.vocab)
-        if (method == "tree") == isinstance(self.proposer, ChainProposer):
+        if (method == "tree") == isinstance(self.proposer, ChainProposer) or (
+                (method == "amusd") != isinstance(self.proposer, AsyncProposer)):
             raise QuickdraftError(f"method {method!r} cannot draft with a {type(drafter).__name__}")
         if isinstance(self.rule, Contrastive) and not isinstance(self.proposer, ContrastiveProposer):
             raise QuickdraftError("the contrastive rule verifies against scores made from the amateur's distributions: "
@@ -467,12 +472,12 @@ class Decoder:
         live = active.tolist()
         cap = max(self.max_new_tokens[row] - len(self.new_ids[row]) for row in range(b) if live[row]) - 1
         proposal = self.proposer.propose(sequences, active, cap, ctx)
-        self.draft_forwards += proposal.forwards
         was_active = active.clone()
         # 2. score: one target forward over [pending, tree]
         target_logits = proposal.score(target, sequences)
-        # 3. verify
+        # 3. verify (a proposal's draft forwards are known here: AMUSD drafts during 2 and 3)
         walk = proposal.verify(target_logits, ctx, was_active)
+        self.draft_forwards += proposal.forwards
         # 4. emit the accepted tokens and the recovered-or-bonus token, then roll the caches back
         self._emit(walk, proposal.forwards)
         proposal.commit(target, sequences, walk, seq_lens, was_active)
@@ -481,6 +486,7 @@ class Decoder:
         """Append every active row's accepted tokens and its recovered-or-bonus token, cut at its
         budget, EOS and stop strings; count the step in the row's metrics."""
         accepted = walk.num_accepted.tolist()
+        emitted = (walk.num_accepted + 1 if walk.num_emitted is None else walk.num_emitted).tolist()
         output_rows = walk.output_ids.tolist()
         depth = walk.drafted_depth.tolist()
         nodes = walk.drafted_nodes.tolist()
@@ -493,8 +499,8 @@ class Decoder:
             m = self.metrics[row]
             m.target_forwards += 1
             m.draft_forwards += draft_forwards
-            m.record_step(depth[row], n, lossy[row])
+            m.record_step(depth[row], n, lossy[row], emitted[row])
             m.drafted_tokens += nodes[row] - depth[row]
-            if not append_emitted(row, output_rows[row][: n + 1], self.new_ids, self.sequences, self.finish,
-                                  self.max_new_tokens[row], self.eos_ids, self.stop, self.on_tokens):
+            if not append_emitted(row, output_rows[row][: emitted[row]], self.new_ids, self.sequences,
+                                  self.finish, self.max_new_tokens[row], self.eos_ids, self.stop, self.on_tokens):
                 active[row] = False

@@ -15,6 +15,9 @@ rest_sd    both       greedy (T = 0) or lossless (T > 0)         retrieval where
                                                                  else the draft model
 phrase_sd  draft LM   greedy (T = 0) or lossless (T > 0)         Ouroboros phrases from a pool
            + pool                                                extend the draft model's drafts
+amusd      draft LM   greedy (T = 0) or lossless (T > 0)         AMUSD: the next block drafted on
+                                                                 a thread of its own during
+                                                                 verification; --policy constant
 cd         draft LM   Contrastive(cd_alpha, cd_beta)             contrastive decoding: no drafts,
                                                                  the draft model the amateur
 scd        draft LM   Contrastive(cd_alpha, cd_beta)             speculative contrastive decoding:
@@ -41,8 +44,8 @@ from quickdraft.rules import Rule
 from quickdraft.sampling import SamplingParams
 
 METHOD_NAMES: tuple[str, ...] = (
-    "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "cd", "scd", "fsd", "typical", "lantern", "ersd",
-    "tree")
+    "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "amusd", "cd", "scd", "fsd", "typical", "lantern",
+    "ersd", "tree")
 #: how lossy rules draft: ``auto`` (FSD: greedy, hybrid FSD and typical: sampled), ``greedy``, ``sampled``
 DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 
@@ -50,7 +53,7 @@ DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 @dataclass
 class MethodSpec:
     name: str
-    engine_method: str  # "ar" | "sd" | "ngram" | "ngram_sd" | "rest" | "rest_sd" | "phrase_sd" | "cd" | "scd" | "tree"
+    engine_method: str  # quickdraft.engine.METHODS: "ar", "sd", ..., "phrase_sd", "amusd", "cd", "scd", "tree"
     rule: Rule
     policy: Policy
     needs_draft: bool
@@ -154,6 +157,11 @@ def build_method(
     pol = build_policy(policy, k, head, stop_threshold)
     if name == "ar":
         return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
+    if name == "amusd":  # the draft model drafts the next block during verification
+        if policy != "constant":
+            raise QuickdraftError(f"amusd drafts a constant K while the target verifies; use --policy constant, "
+                                  f"not {policy!r}")
+        return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=True)
     if name == "phrase_sd":
         from quickdraft.phrase import PhraseConfig
 

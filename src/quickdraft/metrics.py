@@ -25,7 +25,8 @@ class GenerationMetrics:
     drafted_tokens: draft tokens proposed to the verifier.
     accepted_tokens: draft tokens accepted.
     lossy_accepted_tokens: accepted tokens accepted by a lossy criterion (e.g. FSD's fuzzy acceptance).
-    emitted_tokens: tokens emitted by all steps, before truncation (accepted + one per step).
+    emitted_tokens: tokens emitted by all steps, before truncation (accepted + one per step, but for
+        AMUSD's steps that defer their bonus token).
     position_reached: ``[i]`` steps that drafted a token at draft position i+1 with all earlier accepted.
     position_accepted: ``[i]`` steps that accepted the token at draft position i+1.
     prefill_seconds: time of the prompt forwards.
@@ -46,13 +47,16 @@ class GenerationMetrics:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
-    def record_step(self, num_drafted: int, num_accepted: int, num_lossy: int = 0) -> None:
-        """Count one verification step that drafted ``num_drafted`` and accepted ``num_accepted``."""
+    def record_step(self, num_drafted: int, num_accepted: int, num_lossy: int = 0,
+                    num_emitted: int | None = None) -> None:
+        """Count one verification step that drafted ``num_drafted`` and accepted ``num_accepted``;
+        it emitted ``num_emitted`` tokens (default ``num_accepted + 1``; AMUSD defers a fully
+        accepted block's bonus token to the next step, :mod:`quickdraft.amusd`)."""
         self.steps += 1
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
         self.lossy_accepted_tokens += num_lossy
-        self.emitted_tokens += num_accepted + 1
+        self.emitted_tokens += num_accepted + 1 if num_emitted is None else num_emitted
         grow = num_drafted - len(self.position_reached)
         if grow > 0:
             self.position_reached.extend([0] * grow)

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from quickdraft.amusd import AsyncDrafter
 from quickdraft.contrastive import ContrastiveDrafter
 from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
 from quickdraft.engine import Method, generate
@@ -98,7 +99,7 @@ class Pipeline:
         cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
         backend: str = "torch", quantize: str = "auto", quantize_draft: str | None = None,
         pack: bool | None = None, draft_dtype: str | None = None, exact: bool = False,
-        draft_vocab: int | None = None,
+        draft_vocab: int | None = None, threads: tuple[int, int] | None = None,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
@@ -125,6 +126,9 @@ class Pipeline:
         ``0`` keeps the full head. On openvino with ``quantize="auto"`` the draft's defaults are
         :data:`OPENVINO_DRAFT_QUANTIZE` weights and a head of :data:`OPENVINO_DRAFT_VOCAB` ids
         (where the vocabulary is larger); an explicit ``quantize`` applies to both models.
+        ``threads`` (openvino) = the inference threads of the target and of the draft (default: each
+        gets torch's thread count); ``amusd`` runs both models at once and wants the cores split
+        between them (:func:`quickdraft.amusd.split_threads`).
         """
         from quickdraft.backends import BACKEND_NAMES, resolve_backend
         from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
@@ -146,11 +150,13 @@ class Pipeline:
             raise QuickdraftError(f"draft_vocab must be a number of token ids >= 0 (0: the full head), got {draft_vocab!r}")
         if draft_vocab and backend != "openvino":
             raise QuickdraftError(f"a draft vocabulary (--draft-vocab) is implemented for the openvino backend, not {backend}")
+        if threads is not None and backend != "openvino":
+            raise QuickdraftError(f"threads per model apply to the openvino backend, not {backend}")
         if backend == "openvino":
             preset_vocab = draft_vocab is None and default_draft
             return cls._from_openvino(target, draft, quantize, quantize_draft, exact,
                                       OPENVINO_DRAFT_VOCAB if preset_vocab else (draft_vocab or None),
-                                      vocab_if_larger=preset_vocab)
+                                      vocab_if_larger=preset_vocab, threads=threads)
         if backend == "llamacpp":
             if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
@@ -187,12 +193,13 @@ class Pipeline:
     @classmethod
     def _from_openvino(cls, target: str, draft: str | None, quantize: str, quantize_draft: str,
                        exact: bool = False, draft_vocab: int | None = None,
-                       vocab_if_larger: bool = False) -> "Pipeline":
+                       vocab_if_larger: bool = False, threads: tuple[int, int] | None = None) -> "Pipeline":
         """Both models as OpenVINO exports; ``quantize`` / ``quantize_draft`` pick the NNCF weight
         format (``int8``, ``int4``, or ``none``: float32); ``vocab_if_larger``: ``draft_vocab`` applies
         only where the vocabulary has more ids (a preset, not the user's choice).
 
-        The runtime gets torch's thread count, and torch is then set to one thread
+        Each model gets torch's thread count (unless ``threads`` gives one per model), and torch is
+        then set to one thread
         (:func:`quickdraft.backends.openvino.runner.yield_cores_to_openvino`): the engine's own
         torch work per step is small, and torch's idle OpenMP workers spinning beside OpenVINO's
         threads slow every forward by up to 2x on a 2-core CPU."""
@@ -200,15 +207,17 @@ class Pipeline:
         from quickdraft.backends.openvino.runner import yield_cores_to_openvino
         from quickdraft.models import check_compatible
 
-        threads = yield_cores_to_openvino()
+        cores = yield_cores_to_openvino()
+        target_threads, draft_threads = threads or (cores, cores)
 
-        target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize, n_threads=threads, exact=exact)
+        target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize, n_threads=target_threads,
+                                                 exact=exact)
         draft_runner = None
         if draft is not None:
             if vocab_if_larger and draft_vocab is not None and draft_vocab >= target_runner.vocab_size:
                 draft_vocab = None
             draft_runner, draft_tokenizer = load_openvino(
-                draft, "draft", weight_format=quantize_draft, n_threads=threads, exact=exact,
+                draft, "draft", weight_format=quantize_draft, n_threads=draft_threads, exact=exact,
                 vocab_size=target_runner.vocab_size, draft_vocab=draft_vocab)
             check_compatible(tokenizer, draft_tokenizer, target_runner.model, draft_runner.model)
         return cls(
@@ -315,6 +324,8 @@ class Pipeline:
                                      ModelDrafter(draft, self.vocab_size), lookup_k=lookup_k)
         if method == "phrase_sd":
             return PhraseDrafter(draft, self.vocab_size, phrase or PhraseConfig())
+        if method == "amusd":
+            return AsyncDrafter(draft, self.vocab_size)
         if method in ("cd", "scd"):
             if getattr(draft, "head_ids", None) is not None:  # an openvino draft with a reduced head
                 raise QuickdraftError(f"method {method!r} contrasts the target with the draft model's whole "

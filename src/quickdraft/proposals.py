@@ -57,6 +57,8 @@ class Walk:
         valid nodes below the root for a tree).
     path: ``[B, D + 1]`` int64 tree nodes of the walked path, root first, ``-1`` padded (``None``
         for a chain, whose path is its first ``n`` tokens).
+    num_emitted: ``[B]`` int64 tokens the row emits (``None``: ``n + 1``; AMUSD's rows that defer
+        their bonus token emit ``n``, :mod:`quickdraft.amusd`).
     """
 
     output_ids: torch.Tensor
@@ -65,6 +67,7 @@ class Walk:
     drafted_depth: torch.Tensor
     drafted_nodes: torch.Tensor
     path: torch.Tensor | None = None
+    num_emitted: torch.Tensor | None = None
 
 
 class Proposal(Protocol):

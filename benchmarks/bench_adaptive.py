@@ -35,15 +35,15 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.datasets import load_humaneval, load_mtbench
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
-from quickdraft.head import load_head
-from quickdraft.headtrain import DEFAULT_HEAD_PATH, head_path_for
+from quickdraft.evaluation.datasets import load_humaneval, load_mtbench
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
+from quickdraft.decoding.head import load_head
+from quickdraft.adaptive.headtrain import DEFAULT_HEAD_PATH, head_path_for
 from quickdraft.pipeline import Pipeline
-from quickdraft.policies import Confidence, Constant, Heuristic, SpecDecPP
-from quickdraft.report import plot_adaptive
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Confidence, Constant, Heuristic, SpecDecPP
+from quickdraft.evaluation.report import plot_adaptive
+from quickdraft.verification.sampling import SamplingParams
 
 HEAD_TEMPLATE = str(head_path_for(DEFAULT_HEAD_PATH, 0.0, True)).replace("-t0.pt", "-t{t}.pt")
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from quickdraft.anchors import hf_generate
-from quickdraft.datasets import load_humaneval
+from quickdraft.evaluation.anchors import hf_generate
+from quickdraft.evaluation.datasets import load_humaneval
 from quickdraft.pipeline import Pipeline
-from quickdraft.policies import Constant
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.sampling import SamplingParams
 
 
 def run(args: argparse.Namespace) -> dict:

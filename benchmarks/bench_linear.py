@@ -1,8 +1,8 @@
 """Cost of one linear layer of the target (1536 -> 8960, the MLP's up projection) against the number
 of tokens ``m`` it processes at once, for every kernel torch offers here: fp32 ``nn.Linear`` (MKL),
-fp32 on oneDNN with a packed weight (:mod:`quickdraft.packed`), bf16 ``nn.Linear``, and the
-weight-only int8 / int4 layers of :mod:`quickdraft.quant` -- int8 both on quickdraft's AVX2 kernel
-(:mod:`quickdraft.int8kernel`, what ``Int8Linear`` runs for float32) and on torch's
+fp32 on oneDNN with a packed weight (:mod:`quickdraft.backends.packed`), bf16 ``nn.Linear``, and the
+weight-only int8 / int4 layers of :mod:`quickdraft.backends.quant` -- int8 both on quickdraft's AVX2 kernel
+(:mod:`quickdraft.backends.int8kernel`, what ``Int8Linear`` runs for float32) and on torch's
 ``_weight_int8pack_mm``. Kernels are interleaved within each repeat; the figure is the median over
 repeats. ``GBps`` is the weight bytes each kernel reads divided by its time.
 
@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quickdraft import int8kernel
+from quickdraft.backends import int8kernel
 from quickdraft.models import cpu_flags
-from quickdraft.packed import PackedLinear
-from quickdraft.quant import Int4Linear, Int8Linear
+from quickdraft.backends.packed import PackedLinear
+from quickdraft.backends.quant import Int4Linear, Int8Linear
 
 
 def kernels(in_features: int, out_features: int, seed: int = 0) -> dict:

@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.anchors import llamacpp_generate
+from quickdraft.evaluation.anchors import llamacpp_generate
 from quickdraft.backends.llamacpp import LlamaCppRunner, gguf_path_for, load_llamacpp
-from quickdraft.datasets import load_humaneval
-from quickdraft.drafters import ModelDrafter, NGramDrafter
-from quickdraft.engine import generate
-from quickdraft.policies import Constant
-from quickdraft.sampling import SamplingParams
+from quickdraft.evaluation.datasets import load_humaneval
+from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter
+from quickdraft.decoding.engine import generate
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.sampling import SamplingParams
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

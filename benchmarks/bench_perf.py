@@ -5,9 +5,9 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
 * ``llamacpp-anchor``  llama.cpp's own plain decoding of the target GGUF (:func:`anchors.llamacpp_generate`)
 * ``llamacpp-ar`` / ``llamacpp-sd``  our engine on :class:`LlamaCppRunner` (target + draft GGUFs)
 * ``torch-fp32-ar`` / ``torch-fp32-sd``  our engine on the float32 torch models, linear layers on oneDNN
-  with packed weights (:mod:`quickdraft.packed`, the default on this CPU); ``torch-fp32mkl-*``: the
+  with packed weights (:mod:`quickdraft.backends.packed`, the default on this CPU); ``torch-fp32mkl-*``: the
   same weights on ``nn.Linear`` (MKL), i.e. before packing; ``torch-bf16-*``: bfloat16
-* ``torch-int8-ar`` / ``-sd``, ``torch-int4-ar`` / ``-sd``  the same with :mod:`quickdraft.quant` weights
+* ``torch-int8-ar`` / ``-sd``, ``torch-int4-ar`` / ``-sd``  the same with :mod:`quickdraft.backends.quant` weights
   (activations, norms and embeddings in ``--base-dtype``)
 * ``torch-fp32/int4-sd``  target float32 (untouched), draft int4 (``--quantize-draft int4``)
 * ``openvino-int8-ar`` / ``-sd`` / ``-ngram_sd`` …  our engine on :class:`OpenVINORunner` (OpenVINO exports of
@@ -50,16 +50,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quickdraft.datasets import load_dataset
+from quickdraft.evaluation.datasets import load_dataset
 from quickdraft.models import resolve_dtype
-from quickdraft.policies import Constant
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.sampling import SamplingParams
 
 DEFAULT_CONFIGS = (
     "llamacpp-anchor", "llamacpp-ar", "llamacpp-sd2", "llamacpp-sd", "torch-fp32-ar", "torch-fp32-sd", "torch-fp32-sd6",
 )
 #: weight label -> (dtype the model is loaded in, quantisation applied after loading, oneDNN packing);
-#: dtype None: --base-dtype; packing None: the default of :func:`quickdraft.packed.maybe_pack`
+#: dtype None: --base-dtype; packing None: the default of :func:`quickdraft.backends.packed.maybe_pack`
 WEIGHTS = {
     "fp32": ("float32", "none", None), "fp32mkl": ("float32", "none", False), "bf16": ("bfloat16", "none", None),
     "int8": (None, "int8", None), "int4": (None, "int4", None),
@@ -89,7 +89,7 @@ def parse_config(config: str) -> tuple[str, str, int | None]:
 def policy_of(method: str, k: int, p_min: float):
     """The draft-length policy of a parsed method: a trailing ``c`` is :class:`Confidence` (at most
     ``k`` tokens, stop below ``p_min``), otherwise :class:`Constant` ``k``."""
-    from quickdraft.policies import Confidence
+    from quickdraft.decoding.policies import Confidence
 
     return Confidence(max_k=k, p_min=p_min) if method.endswith("c") else Constant(k)
 
@@ -136,9 +136,9 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
     import gc
 
     from quickdraft.models import check_compatible, load_model
-    from quickdraft.packed import maybe_pack
+    from quickdraft.backends.packed import maybe_pack
     from quickdraft.pipeline import Pipeline
-    from quickdraft.quant import quantize_by_name
+    from quickdraft.backends.quant import quantize_by_name
 
     models: dict[tuple[str, str], object] = {}
     tokenizer = None
@@ -197,7 +197,7 @@ class GenAIPipelines:
 def genai_pipelines(weights: str, speculative: bool) -> GenAIPipelines:
     """GenAI-layout exports (made once into the cache entries, from the same float32 weights and the
     same NNCF compression as the engine-layout exports) and GenAI pipelines over them."""
-    from quickdraft.anchors import openvino_genai_pipeline
+    from quickdraft.evaluation.anchors import openvino_genai_pipeline
     from quickdraft.backends.openvino import export_for
     from quickdraft.backends.openvino.runner import openvino_threads
 
@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def one(config: str, ids: list[int], sampling: SamplingParams, seed: int, max_new: int) -> dict:
         if config == "llamacpp-anchor":
-            from quickdraft.anchors import llamacpp_generate
+            from quickdraft.evaluation.anchors import llamacpp_generate
 
             res = llamacpp_generate(None, ids, sampling=sampling, max_new_tokens=max_new, eos_token_ids=eos,
                                     seed=seed, model=anchor_model)
@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> dict:
         key, method, k = parse_config(config)
         pipe = pipes[key]
         if isinstance(pipe, GenAIPipelines):
-            from quickdraft.anchors import openvino_genai_generate
+            from quickdraft.evaluation.anchors import openvino_genai_generate
 
             if method == "anchor":
                 res = openvino_genai_generate(pipe.plain, ids, sampling=sampling, max_new_tokens=max_new,

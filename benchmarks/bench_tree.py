@@ -17,7 +17,7 @@ process:
    * ``sd-k{K}``             chain speculative decoding with the draft model, K drafts (--ks)
    * ``tree-N{N}-d{d}-k{k}-{scheme}-{verifier}``  token trees (--trees0 at T = 0, --trees at T > 0)
 
-Terms as in :mod:`quickdraft.metrics`: a *step* is one verifying target forward; the *mean
+Terms as in :mod:`quickdraft.decoding.metrics`: a *step* is one verifying target forward; the *mean
 acceptance length* (MAL) is emitted tokens per step and counts the bonus/recovered token. Tokens/s
 is decode only (prefill excluded), the same for every method. The time spent inside each model's
 forwards during decoding is measured by wrapping the runners' ``forward`` / ``forward_tree``
@@ -54,13 +54,13 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.datasets import load_humaneval
+from quickdraft.evaluation.datasets import load_humaneval
 from quickdraft.pipeline import Pipeline
-from quickdraft.policies import Constant
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
-from quickdraft.tree import TreeConfig, ancestor_mask
-from quickdraft.tree_decoding import generate_tree
+from quickdraft.decoding.policies import Constant
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
+from quickdraft.decoding.tree import TreeConfig, ancestor_mask
+from quickdraft.decoding.tree_decoding import generate_tree
 
 #: trees as "N:d:k:scheme:verifier" (budget N draft nodes, depth d, top-k k); at T = 0 the walk
 #: follows the target's argmax, so only the (deterministic) topk scheme runs there

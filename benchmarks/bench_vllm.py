@@ -77,7 +77,7 @@ def spec_counters(llm) -> dict[str, float]:
 
 
 def load_prompts(datasets: list[str], limit: int, tokenizer) -> list[dict]:
-    from quickdraft.datasets import load_dataset
+    from quickdraft.evaluation.datasets import load_dataset
 
     prompts = []
     for name in datasets:  # the first --limit prompts of each dataset, in file order

@@ -3,7 +3,7 @@
 The target generates ``--max-new-tokens`` tokens (plain decoding, the given temperature, seed per
 prompt) for calibration prompts taken *after* the first ``--skip`` of each dataset (the benchmarks use
 the first few), then both models read prompt + continuation back in one forward each and
-:func:`quickdraft.tree_shapes.estimate_rank_law` counts ranks at every generated position over
+:func:`quickdraft.decoding.tree_shapes.estimate_rank_law` counts ranks at every generated position over
 ``--draws`` arrival-time vectors. The laws (one per temperature) go to one JSON file that
 ``--tree-shape optimal --rank-law FILE`` reads; the default pair's file ships in the package:
 
@@ -18,11 +18,11 @@ import shlex
 import sys
 import time
 
-from quickdraft.bench import encode_prompt, prompt_seed
-from quickdraft.datasets import load_dataset
+from quickdraft.evaluation.bench import encode_prompt, prompt_seed
+from quickdraft.evaluation.datasets import load_dataset
 from quickdraft.pipeline import Pipeline
-from quickdraft.sampling import SamplingParams
-from quickdraft.tree_shapes import RankLawFile, describe, estimate_rank_law, optimal_race_tree
+from quickdraft.verification.sampling import SamplingParams
+from quickdraft.decoding.tree_shapes import RankLawFile, describe, estimate_rank_law, optimal_race_tree
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,11 +16,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from quickdraft.bench import load_records
+from quickdraft.evaluation.bench import load_records
 from quickdraft.methods import build_method
-from quickdraft.sampling import SamplingParams
+from quickdraft.verification.sampling import SamplingParams
 from quickdraft.theory.ersd import draft_tree_expected_tokens
-from quickdraft.tree_shapes import RankLawFile, chain_paths
+from quickdraft.decoding.tree_shapes import RankLawFile, chain_paths
 
 RUNS = ["benchmarks/results/bench/optimal_tree_humaneval", "benchmarks/results/bench/optimal_tree_mtbench"]
 

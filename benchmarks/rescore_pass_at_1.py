@@ -2,14 +2,14 @@
 
 A bench run keeps every completion's text in ``raw/T*/<entry>/<problem>.json`` next to its
 ``quality`` (extraction status and sandbox verdict). This script extracts each program again with
-:func:`quickdraft.extract.extract_program`, runs the problem's tests in
-:func:`quickdraft.sandbox.run_humaneval_checks`, and prints stored against new pass@1 for every
+:func:`quickdraft.evaluation.extract.extract_program`, runs the problem's tests in
+:func:`quickdraft.evaluation.sandbox.run_humaneval_checks`, and prints stored against new pass@1 for every
 (run, temperature, entry), then the records whose verdict changed. No model is loaded and nothing
 is generated.
 
 With ``--write`` the records whose verdict, status or detail changed get the new ``quality``
 (with the sandbox's isolation mode and network level) and the run's reports (``summary.*``,
-plots) are regenerated with :func:`quickdraft.report.write_reports`; runs without a change are
+plots) are regenerated with :func:`quickdraft.evaluation.report.write_reports`; runs without a change are
 left untouched. Checks that time out are run again one at a time, so that a loaded machine does not
 turn a pass into a timeout.
 
@@ -25,12 +25,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from quickdraft.bench import _write_json
-from quickdraft.datasets import load_humaneval
+from quickdraft.evaluation.bench import _write_json
+from quickdraft.evaluation.datasets import load_humaneval
 from quickdraft.errors import QuickdraftError
-from quickdraft.extract import extract_program
-from quickdraft.report import write_reports
-from quickdraft.sandbox import run_humaneval_checks, sandbox_info
+from quickdraft.evaluation.extract import extract_program
+from quickdraft.evaluation.report import write_reports
+from quickdraft.evaluation.sandbox import run_humaneval_checks, sandbox_info
 
 DEFAULT_ROOT = Path(__file__).resolve().parent / "results" / "bench"
 #: quality fields compared between the stored and the new verdict

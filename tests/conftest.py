@@ -135,7 +135,7 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 def exact_triples(model, prompt: list[int], params) -> np.ndarray:
     """``p(t1) p(t2 | t1) p(t3 | t1, t2)`` of ``model`` after ``prompt`` under sampling ``params``,
     ``[V, V, V]`` (for small vocabularies: one batched forward over all ``V²`` two-token contexts)."""
-    from quickdraft.sampling import logits_to_probs
+    from quickdraft.verification.sampling import logits_to_probs
 
     v = model.config.vocab_size
     with torch.no_grad():
@@ -153,7 +153,7 @@ def tree_pair_counts(
     independent step) against the target law ``p1`` after the root and ``p2[first]`` after each
     first token; a step that accepts no draft token gets its second token sampled from ``p2``.
     Returns the counts and the number of draft tokens accepted in all."""
-    from quickdraft.tree_decoding import verify_tree
+    from quickdraft.decoding.tree_decoding import verify_tree
 
     n, vocab = tree.tokens.shape[0], p1.shape[-1]
     # target after each node: root -> p1, depth-1 node -> p2[token] (depth-2 nodes: unused)

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.amusd import AsyncDrafter, AsyncProposer, keyed_draft_tokens, split_threads
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import Decoder, generate
+from quickdraft.decoding.amusd import AsyncDrafter, AsyncProposer, keyed_draft_tokens, split_threads
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import Decoder, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
 from quickdraft.pipeline import Pipeline
-from quickdraft.policies import Confidence, Constant
-from quickdraft.rules import Fuzzy, Lossless
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Confidence, Constant
+from quickdraft.verification.rules import Fuzzy, Lossless
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
 
 from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, word_tokenizer
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)

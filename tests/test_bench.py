@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from quickdraft.bench import (
+from quickdraft.evaluation.bench import (
     prompt_seed,
     BenchConfig,
     Entry,
@@ -22,10 +22,10 @@ from quickdraft.bench import (
     schedule,
     target_fidelity,
 )
-from quickdraft.datasets import Prompt
+from quickdraft.evaluation.datasets import Prompt
 from quickdraft.errors import QuickdraftError
 from quickdraft.pipeline import Pipeline
-from quickdraft.sandbox import isolation_mode
+from quickdraft.evaluation.sandbox import isolation_mode
 
 from conftest import TINY_VOCAB, RecodedPipe, word_tokenizer
 
@@ -235,7 +235,7 @@ def test_fidelity_is_the_target_log_likelihood(tiny_target):
 
 
 def test_unavailable_anchor_is_skipped_with_one_line(pipe, tmp_path):
-    from quickdraft.bench import CellRunner
+    from quickdraft.evaluation.bench import CellRunner
 
     why = CellRunner(pipe, 4).available(Entry("llamacpp"))  # a tiny model has no GGUF file
     assert why is not None and why.startswith("llamacpp: skipped (") and "\n" not in why

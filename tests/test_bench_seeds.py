@@ -1,4 +1,4 @@
-"""Per-prompt seeds of the benchmark harness (:func:`quickdraft.bench.prompt_seed`).
+"""Per-prompt seeds of the benchmark harness (:func:`quickdraft.evaluation.bench.prompt_seed`).
 
 The harness generates one prompt at a time as row 0 of a batch of one. With a seed shared by all
 prompts, sampling methods would reuse one random stream on every prompt, and ERSD — whose race
@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from quickdraft.bench import BenchConfig, load_records, parse_entries, prompt_seed, run_bench
-from quickdraft.datasets import Prompt
+from quickdraft.evaluation.bench import BenchConfig, load_records, parse_entries, prompt_seed, run_bench
+from quickdraft.evaluation.datasets import Prompt
 from quickdraft.errors import QuickdraftError
 from quickdraft.pipeline import Pipeline
 

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-import quickdraft.rules
-from quickdraft.contrastive import ContrastiveDrafter
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
+import quickdraft.verification.rules
+from quickdraft.decoding.contrastive import ContrastiveDrafter
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
 from quickdraft.pipeline import Pipeline
-from quickdraft.policies import Constant
-from quickdraft.rules import Contrastive, Lossless, contrastive_scores
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.rules import Contrastive, Lossless, contrastive_scores
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs
 
 from conftest import TINY_VOCAB, chi_square_pvalue, perturbed_copy, tiny_lm, word_tokenizer
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)
@@ -37,7 +37,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 def test_the_docstring_example_passes():
     scores = contrastive_scores(torch.tensor([0.6, 0.36, 0.04]).log(), torch.tensor([0.9, 0.05, 0.05]).log(), 0.1, 1.0)
     assert torch.allclose(scores.exp(), torch.tensor([0.6 / 0.9, 0.36 / 0.05, 0.0]))
-    assert doctest.testmod(quickdraft.rules).failed == 0
+    assert doctest.testmod(quickdraft.verification.rules).failed == 0
 
 
 @pytest.mark.parametrize("alpha, beta", [(0.1, 0.5), (0.0, 1.0), (0.5, 2.0), (1.0, 0.5), (0.1, 0.0)])
@@ -88,7 +88,7 @@ def test_methods_build_the_contrastive_rule():
     sampled = build_method("cd", sampling=SamplingParams(temperature=0.7))
     assert greedy.engine_method == "scd" and greedy.needs_draft and greedy.rule == Contrastive(0.2, 1.0, True)
     assert sampled.engine_method == "cd" and sampled.rule == Contrastive(0.1, 0.5, False)
-    assert isinstance(sampled.rule.test, Lossless) and quickdraft.rules.RULES["contrastive"] is Contrastive
+    assert isinstance(sampled.rule.test, Lossless) and quickdraft.verification.rules.RULES["contrastive"] is Contrastive
 
 
 # -- through the engine ----------------------------------------------------------------------------

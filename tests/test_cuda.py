@@ -16,16 +16,16 @@ import copy
 import pytest
 import torch
 
-from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
-from quickdraft.engine import generate
-from quickdraft.integrations.vllm_plugin import verify_requests
-from quickdraft.policies import Constant
-from quickdraft.rules import ExponentialRace, Fuzzy, Lossless, Typical, VerifyContext
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
-from quickdraft.tree import TreeConfig
-from quickdraft.tree_decoding import generate_tree
-from quickdraft.verify import verify_chain
+from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
+from quickdraft.decoding.engine import generate
+from quickdraft.backends.vllm_plugin import verify_requests
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.rules import ExponentialRace, Fuzzy, Lossless, Typical, VerifyContext
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
+from quickdraft.decoding.tree import TreeConfig
+from quickdraft.decoding.tree_decoding import generate_tree
+from quickdraft.verification.verify import verify_chain
 
 from conftest import TINY_VOCAB, chi_square_pvalue, perturbed_copy, tiny_lm
 from test_engine import _exact_two_token_distribution, _two_token_counts

@@ -6,8 +6,8 @@ import collections
 
 import pytest
 
-from quickdraft import datasets
-from quickdraft.datasets import (
+from quickdraft.evaluation import datasets
+from quickdraft.evaluation.datasets import (
     HUMANEVAL_CHAT_TEMPLATE,
     Prompt,
     chat_prompt_for_humaneval,

@@ -11,7 +11,7 @@ import scipy.stats
 import torch
 from scipy.spatial.distance import jensenshannon
 
-from quickdraft.divergences import (
+from quickdraft.verification.divergences import (
     DEPRECATED_NAMES,
     DIVERGENCES,
     bucket_top_k,
@@ -36,7 +36,7 @@ from quickdraft.divergences import (
     topp_tv,
     tv,
 )
-from quickdraft.rules import Fuzzy
+from quickdraft.verification.rules import Fuzzy
 from quickdraft.errors import QuickdraftError
 
 LN2 = math.log(2.0)

@@ -25,13 +25,13 @@ if not is_available():  # pragma: no cover - depends on the environment
 from quickdraft.backends.openvino import OpenVINORunner  # noqa: E402
 from quickdraft.backends.openvino.export import EXPORT_MANIFEST, draft_vocab_ids, export, export_dir_name  # noqa: E402
 from quickdraft.backends.openvino.runner import _scatter_vocab  # noqa: E402
-from quickdraft.drafters import ModelDrafter  # noqa: E402
-from quickdraft.engine import generate  # noqa: E402
+from quickdraft.decoding.drafters import ModelDrafter  # noqa: E402
+from quickdraft.decoding.engine import generate  # noqa: E402
 from quickdraft.errors import QuickdraftError  # noqa: E402
-from quickdraft.policies import Constant  # noqa: E402
-from quickdraft.rules import Lossless  # noqa: E402
-from quickdraft.runner import ModelRunner  # noqa: E402
-from quickdraft.sampling import SamplingParams  # noqa: E402
+from quickdraft.decoding.policies import Constant  # noqa: E402
+from quickdraft.verification.rules import Lossless  # noqa: E402
+from quickdraft.backends.runner import ModelRunner  # noqa: E402
+from quickdraft.verification.sampling import SamplingParams  # noqa: E402
 
 SUBSET = 48  # of the tiny models' 64 ids
 

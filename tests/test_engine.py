@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
-from quickdraft.policies import Constant
-from quickdraft.rules import Greedy, Lossless
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs, sample
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.rules import Greedy, Lossless
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs, sample
 
 from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, exact_triples, tiny_lm
 
@@ -319,7 +319,7 @@ def test_lookup_drafts_are_capped_by_the_tokens_left(tiny_target, tiny_draft):
 
 
 def test_draft_length_above_the_maximum_is_rejected(tiny_target, tiny_draft):
-    from quickdraft.policies import MAX_DRAFT_LENGTH, Heuristic, Policy
+    from quickdraft.decoding.policies import MAX_DRAFT_LENGTH, Heuristic, Policy
 
     with pytest.raises(QuickdraftError, match=f"at most {MAX_DRAFT_LENGTH}"):
         Constant(MAX_DRAFT_LENGTH + 1)
@@ -344,8 +344,8 @@ def test_runner_forwards_emit_no_deprecation_warning(tiny_target):
     expects: no FutureWarning / DeprecationWarning on any of them."""
     import warnings
 
-    from quickdraft.runner import cache_argument
-    from quickdraft.tree import ancestor_mask
+    from quickdraft.backends.runner import cache_argument
+    from quickdraft.decoding.tree import ancestor_mask
 
     runner = ModelRunner(tiny_target, "target")
     assert runner.cache_arg == cache_argument(tiny_target)

@@ -3,8 +3,8 @@
 Step level (Markov tables, exact)
 ---------------------------------
 A first-order Markov "target" and "draft" over a small vocabulary (``V = 12``): the distribution
-after a node depends only on its token, so :func:`quickdraft.tree.build_tree` can run with table
-lookups in place of draft forwards and :func:`quickdraft.tree_decoding.verify_tree` with the
+after a node depends only on its token, so :func:`quickdraft.decoding.tree.build_tree` can run with table
+lookups in place of draft forwards and :func:`quickdraft.decoding.tree_decoding.verify_tree` with the
 target's table rows as the tree forward. ``race_tree_generate`` runs whole tree steps on
 ``N = 100,000`` independent rows (distinct row ids key distinct arrival times) until every row
 has 3 tokens; the emitted 3-token sequences are compared with the exact joint
@@ -25,15 +25,15 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.engine import generate
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
-from quickdraft.race import arrival_times, race_candidates, race_keys, race_order, race_sample
-from quickdraft.rules import ExponentialRace
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs
-from quickdraft.tree import TreeConfig, build_tree
-from quickdraft.tree_decoding import generate_tree, verify_tree
+from quickdraft.verification.race import arrival_times, race_candidates, race_keys, race_order, race_sample
+from quickdraft.verification.rules import ExponentialRace
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs
+from quickdraft.decoding.tree import TreeConfig, build_tree
+from quickdraft.decoding.tree_decoding import generate_tree, verify_tree
 
 from conftest import chi_square_pvalue, perturbed_copy, tiny_lm
 
@@ -257,7 +257,7 @@ def test_one_candidate_tree_is_chain_ersd(soft_target):
 
 
 def _drafter(runner):
-    from quickdraft.drafters import ModelDrafter
+    from quickdraft.decoding.drafters import ModelDrafter
 
     return ModelDrafter(runner, int(runner.model.config.vocab_size))
 

@@ -11,9 +11,9 @@ import ast
 
 import pytest
 
-from quickdraft.datasets import load_humaneval_problems
-from quickdraft.extract import UNPARSEABLE, extract_program
-from quickdraft.sandbox import run_humaneval_checks
+from quickdraft.evaluation.datasets import load_humaneval_problems
+from quickdraft.evaluation.extract import UNPARSEABLE, extract_program
+from quickdraft.evaluation.sandbox import run_humaneval_checks
 
 PROBLEMS = {p["task_id"]: p for p in load_humaneval_problems()}
 P0 = PROBLEMS["HumanEval/0"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.head import AcceptanceHead, HeadMetadata, load_head, model_fingerprint, save_head
-from quickdraft.headtrain import (
+from quickdraft.decoding.head import AcceptanceHead, HeadMetadata, load_head, model_fingerprint, save_head
+from quickdraft.adaptive.headtrain import (
     Examples,
     TrainConfig,
     acceptance_labels,
@@ -30,10 +30,10 @@ from quickdraft.headtrain import (
     unweight,
     weighted_bce,
 )
-from quickdraft.engine import generate
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
-from quickdraft.trainprompts import overlap_report, training_prompts
+from quickdraft.decoding.engine import generate
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
+from quickdraft.adaptive.trainprompts import overlap_report, training_prompts
 
 from conftest import TINY_VOCAB, tiny_lm, word_tokenizer
 
@@ -363,13 +363,13 @@ def test_training_prompts_are_deterministic_and_do_not_overlap_the_benchmarks():
     assert prompts == training_prompts(200, seed=0) and len(set(prompts)) == 200
     assert any(p.startswith("Implement") for p in prompts) and any(p.startswith("Explain") for p in prompts)
     try:
-        from quickdraft.datasets import load_humaneval_problems, load_mtbench
+        from quickdraft.evaluation.datasets import load_humaneval_problems, load_mtbench
 
         problems, mtbench = load_humaneval_problems(), load_mtbench()
     except QuickdraftError:
         pytest.skip("benchmark packages not installed")
     texts = [p["prompt"] for p in problems] + [t for q in mtbench for t in q.metadata["turns"]]
-    from quickdraft.trainprompts import all_tasks
+    from quickdraft.adaptive.trainprompts import all_tasks
 
     assert overlap_report(all_tasks(), texts, [p["entry_point"] for p in problems]) == []
     # the check has teeth: a HumanEval prompt itself is reported
@@ -401,7 +401,7 @@ def test_train_head_command_end_to_end_and_head_mismatch(tmp_path, monkeypatch, 
 
     from typer.testing import CliRunner
 
-    from quickdraft import headtrain
+    from quickdraft.adaptive import headtrain
     from quickdraft.cli import app
     from quickdraft.pipeline import Pipeline
 
@@ -409,7 +409,7 @@ def test_train_head_command_end_to_end_and_head_mismatch(tmp_path, monkeypatch, 
     monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *args, **kwargs: pipe))
     monkeypatch.setattr(headtrain, "specdecpp_cache_dir", lambda: tmp_path / "cache")
     words = [" ".join(f"w{(7 * i + j) % 60 + 1}" for j in range(3 + i % 4)) for i in range(10)]
-    monkeypatch.setattr("quickdraft.trainprompts.training_prompts", lambda n, seed=0: words[:n])
+    monkeypatch.setattr("quickdraft.adaptive.trainprompts.training_prompts", lambda n, seed=0: words[:n])
     runner = CliRunner()
     out = tmp_path / "heads" / "h.pt"
     result = runner.invoke(app, ["train-head", "--out", str(out), "--num-prompts", "10", "--max-new-tokens", "6",

@@ -4,9 +4,9 @@ whatever the number of rows in the call, Int8Linear uses it for float32, and bad
 import pytest
 import torch
 
-from quickdraft import int8kernel
+from quickdraft.backends import int8kernel
 from quickdraft.errors import QuickdraftError
-from quickdraft.quant import Int8Linear
+from quickdraft.backends.quant import Int8Linear
 
 pytestmark = pytest.mark.skipif(not int8kernel.available(), reason="needs an AVX2 CPU and a C++ compiler")
 

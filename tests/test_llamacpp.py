@@ -30,11 +30,11 @@ if not is_available():  # pragma: no cover - depends on the environment
     pytest.skip("llama-cpp-python is not installed (pip install 'quickdraft[llamacpp]')", allow_module_level=True)
 
 from quickdraft.backends.llamacpp import LlamaCppRunner, LlamaGGUF, exact_from_env  # noqa: E402
-from quickdraft.drafters import ModelDrafter, NGramDrafter  # noqa: E402
-from quickdraft.engine import generate  # noqa: E402
+from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter  # noqa: E402
+from quickdraft.decoding.engine import generate  # noqa: E402
 from quickdraft.errors import QuickdraftError  # noqa: E402
-from quickdraft.policies import Constant  # noqa: E402
-from quickdraft.sampling import SamplingParams  # noqa: E402
+from quickdraft.decoding.policies import Constant  # noqa: E402
+from quickdraft.verification.sampling import SamplingParams  # noqa: E402
 
 from conftest import small_gguf  # noqa: E402
 
@@ -196,7 +196,7 @@ def test_sampling_on_llamacpp_is_seeded_and_reproducible(runner, draft_runner):
 def test_llamacpp_anchor_greedy_equals_our_plain_greedy_on_the_same_gguf_and_kernels(gguf, exact_runner):
     """llama.cpp's own plain decoding (whole prompt in one call) and ours (prompt minus its last
     token, then one token per forward) agree token for token when both use the exact kernels."""
-    from quickdraft.anchors import llamacpp_generate
+    from quickdraft.evaluation.anchors import llamacpp_generate
 
     ours = generate(exact_runner, [PROMPTS[0]], method="ar", max_new_tokens=16)
     model = LlamaGGUF(gguf, n_ctx=64, n_threads=1, exact=True)

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 import quickdraft.models as qm
 from quickdraft.errors import QuickdraftError
+from quickdraft import models_cli
 
 FAKE = "fake-model"
 
@@ -342,7 +343,7 @@ def test_a_truncated_safetensors_is_not_installed_and_install_repairs_it(tmp_pat
     assert listed.problem == f"model.safetensors has {len(good) - 40:,} bytes, the manifest records {len(good):,}"
     with pytest.raises(QuickdraftError, match=f"damaged: model.safetensors .*quickdraft models install {FAKE}` to repair"):
         qm.resolve(FAKE, cache_dir=cache)
-    table = CliRunner().invoke(qm.models_app, ["list", "--cache-dir", str(cache)], env={"COLUMNS": "300"})
+    table = CliRunner().invoke(models_cli.models_app, ["list", "--cache-dir", str(cache)], env={"COLUMNS": "300"})
     assert "damaged (model.safetensors has" in table.stdout and "│ installed" not in table.stdout
     qm.install(FAKE, cache_dir=cache, progress=False)  # no --force: the damage is found and repaired
     assert len(fake_convert) == 2 and weights.read_bytes() == good
@@ -559,7 +560,7 @@ def test_load_model_from_local_dir(tiny_checkpoint, dtype):
 
 
 def test_cli_errors_exit_2_with_one_line(tmp_path):
-    result = CliRunner().invoke(qm.models_app, ["install", "nope", "--cache-dir", str(tmp_path)])
+    result = CliRunner().invoke(models_cli.models_app, ["install", "nope", "--cache-dir", str(tmp_path)])
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown model 'nope'")
@@ -568,7 +569,7 @@ def test_cli_errors_exit_2_with_one_line(tmp_path):
 def test_cli_list(tmp_path, fake_parts, fake_convert):
     qm.install(FAKE, cache_dir=tmp_path, progress=False)
     result = CliRunner().invoke(
-        qm.models_app, ["list", "--cache-dir", str(tmp_path)], env={"COLUMNS": "200"}
+        models_cli.models_app, ["list", "--cache-dir", str(tmp_path)], env={"COLUMNS": "200"}
     )
     assert result.exit_code == 0
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if "│" in line}

@@ -1,4 +1,4 @@
-"""Tests for quickdraft.multidraft: losslessness of every (sampling, verifier) pair, acceptance rates.
+"""Tests for quickdraft.verification.multidraft: losslessness of every (sampling, verifier) pair, acceptance rates.
 
 Goodness of fit
 ---------------
@@ -32,15 +32,15 @@ import torch
 from scipy import optimize, stats
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.multidraft import StepResult, sample_step
-from quickdraft.multidraft_proposals import (
+from quickdraft.verification.multidraft import StepResult, sample_step
+from quickdraft.verification.multidraft_proposals import (
     Drafts,
     _remove,
     draft_greedy,
     draft_with_replacement,
     draft_without_replacement,
 )
-from quickdraft.multidraft_verifiers import (
+from quickdraft.verification.multidraft_verifiers import (
     kseq_beta,
     kseq_residual,
     kseq_rho,
@@ -48,7 +48,7 @@ from quickdraft.multidraft_verifiers import (
     optimal_greedy_verify,
     rrs_verify,
 )
-from quickdraft.rules import residual
+from quickdraft.verification.rules import residual
 
 N = 100_000
 P_PASS = 1e-4

@@ -19,13 +19,13 @@ if not is_available():  # pragma: no cover - depends on the environment
 
 from quickdraft.backends.openvino import OpenVINORunner  # noqa: E402
 from quickdraft.backends.openvino.export import export, is_exported  # noqa: E402
-from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter  # noqa: E402
-from quickdraft.engine import generate  # noqa: E402
+from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter  # noqa: E402
+from quickdraft.decoding.engine import generate  # noqa: E402
 from quickdraft.errors import QuickdraftError  # noqa: E402
-from quickdraft.policies import Confidence, Constant  # noqa: E402
-from quickdraft.rules import Fuzzy, Lossless, Typical  # noqa: E402
-from quickdraft.runner import ModelRunner  # noqa: E402
-from quickdraft.sampling import SamplingParams  # noqa: E402
+from quickdraft.decoding.policies import Confidence, Constant  # noqa: E402
+from quickdraft.verification.rules import Fuzzy, Lossless, Typical  # noqa: E402
+from quickdraft.backends.runner import ModelRunner  # noqa: E402
+from quickdraft.verification.sampling import SamplingParams  # noqa: E402
 
 from conftest import tiny_lm  # noqa: E402
 
@@ -308,7 +308,7 @@ def test_openvino_genai_anchor_agrees_with_our_engine(ov_models, tmp_path, tiny_
     its plain greedy output and its speculative greedy output equal our engine's plain greedy
     output on the engine-layout export."""
     pytest.importorskip("openvino_genai")
-    from quickdraft.anchors import openvino_genai_generate, openvino_genai_pipeline
+    from quickdraft.evaluation.anchors import openvino_genai_generate, openvino_genai_pipeline
 
     hf_t, hf_d = _save(tiny_target, tmp_path / "t"), _save(tiny_draft, tmp_path / "d")
     tok = _tokenizer_files(hf_t), _tokenizer_files(hf_d)
@@ -415,7 +415,7 @@ def test_real_pair_greedy_speculative_equals_plain_on_openvino_exact():
     """The default pair's int8 exports with batch-invariant arithmetic (``exact``): every lossless
     chain method's greedy output equals the same backend's plain greedy output, token for token,
     over 128 tokens on HumanEval and MT-Bench prompts (prose, where close tokens are common)."""
-    from quickdraft.datasets import load_dataset
+    from quickdraft.evaluation.datasets import load_dataset
     from quickdraft.pipeline import Pipeline
 
     before = torch.get_num_threads()
@@ -444,7 +444,7 @@ def test_exact_is_an_openvino_setting():
 def test_export_records_the_fingerprint_an_acceptance_head_checks(ov_models, tiny_draft):
     """The export's manifest carries the weights' fingerprint, so a SpecDec++ head trained on
     another draft is refused on the openvino backend as on torch."""
-    from quickdraft.head import AcceptanceHead, HeadMetadata, model_fingerprint
+    from quickdraft.decoding.head import AcceptanceHead, HeadMetadata, model_fingerprint
 
     runner = _runner(ov_models[1], "draft")
     assert runner.model.fingerprint == model_fingerprint(tiny_draft)

@@ -9,13 +9,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import perturbed_copy, tiny_lm
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import _logits_dim
-from quickdraft.packed import PackedLinear, maybe_pack, pack_linears, packing_available
-from quickdraft.policies import Constant
-from quickdraft.runner import ModelRunner
+from quickdraft.backends.packed import PackedLinear, maybe_pack, pack_linears, packing_available
+from quickdraft.decoding.policies import Constant
+from quickdraft.backends.runner import ModelRunner
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

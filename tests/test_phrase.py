@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
-from quickdraft.phrase import PhraseConfig, PhraseDrafter, PhrasePool
+from quickdraft.decoding.phrase import PhraseConfig, PhraseDrafter, PhrasePool
 from quickdraft.pipeline import Pipeline
-from quickdraft.policies import Constant
-from quickdraft.rules import Greedy, Lossless
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.rules import Greedy, Lossless
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
 
 from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, word_tokenizer
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)

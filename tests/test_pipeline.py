@@ -7,7 +7,7 @@ import pytest
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.pipeline import Pipeline
-from quickdraft.sampling import SamplingParams
+from quickdraft.verification.sampling import SamplingParams
 
 from conftest import TINY_VOCAB, word_tokenizer
 
@@ -100,7 +100,7 @@ def test_out_of_vocabulary_prompt_ids_are_rejected(pipe, bad):
 
 
 def test_a_tiny_positive_temperature_decodes_greedily(pipe):
-    from quickdraft.sampling import GREEDY_TEMPERATURE
+    from quickdraft.verification.sampling import GREEDY_TEMPERATURE
 
     assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
     greedy = pipe.generate(["w1 w2"], method="sd", max_new_tokens=12, chat=False)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
-from quickdraft.head import AcceptanceHead
+from quickdraft.decoding.head import AcceptanceHead
 from quickdraft.methods import build_policy
-from quickdraft.policies import (
+from quickdraft.decoding.policies import (
     Confidence,
     Constant,
     Heuristic,
@@ -23,9 +23,9 @@ from quickdraft.policies import (
     heuristic_next_k,
     rejection_risk,
 )
-from quickdraft.rules import Lossless
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
+from quickdraft.verification.rules import Lossless
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
 
 from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm
 from test_engine import PROMPTS
@@ -215,7 +215,7 @@ def test_specdecpp_errors():
 
 
 def test_build_policy_names(tmp_path):
-    from quickdraft.head import save_head
+    from quickdraft.decoding.head import save_head
 
     assert isinstance(build_policy("heuristic", 4), Heuristic)
     conf = build_policy("confidence", 6, stop_threshold=0.4)

@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.quality import clopper_pearson_interval, compare_paired, pass_at_1, wilson_interval
+from quickdraft.evaluation.quality import clopper_pearson_interval, compare_paired, pass_at_1, wilson_interval
 
 
 @pytest.mark.parametrize(

@@ -10,13 +10,13 @@ import scipy.stats
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
-from quickdraft.policies import Constant
-from quickdraft.quant import Int4Linear, Int8Linear, quantize_by_name, quantize_model
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Constant
+from quickdraft.backends.quant import Int4Linear, Int8Linear, quantize_by_name, quantize_model
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
 
 VOCAB = 256
 

@@ -11,7 +11,7 @@ import scipy.stats
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.race import (
+from quickdraft.verification.race import (
     _signed,
     accept_race_branches,
     arrival_times,
@@ -21,9 +21,9 @@ from quickdraft.race import (
     race_keys,
     race_sample,
 )
-from quickdraft.rules import ExponentialRace, VerifyContext
-from quickdraft.sampling import SamplingParams, logits_to_probs
-from quickdraft.verify import verify_chain
+from quickdraft.verification.rules import ExponentialRace, VerifyContext
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs
+from quickdraft.verification.verify import verify_chain
 
 PASS = 1e-4
 FAIL = 1e-6

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from quickdraft.methods import METHOD_NAMES, build_method
-from quickdraft.policies import Constant
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +50,8 @@ _DATASTORE = {}
 def _solutions_datastore(pipe):
     """A retrieval index over the prompts and canonical solutions of HumanEval, built once."""
     if "index" not in _DATASTORE:
-        from quickdraft.datasets import load_humaneval_problems
-        from quickdraft.retrieval import RetrievalIndex
+        from quickdraft.evaluation.datasets import load_humaneval_problems
+        from quickdraft.decoding.retrieval import RetrievalIndex
 
         texts = [p["prompt"] + p["canonical_solution"] for p in load_humaneval_problems()]
         _DATASTORE["index"] = RetrievalIndex.from_texts(texts, pipe.tokenizer)
@@ -82,7 +82,7 @@ def test_every_method_generates_code_on_the_real_pair(pipe, plain_greedy, method
 
 def _block_vs_one_token(model, prompt_ids: list[int], n: int = 5) -> float:
     """max |logits of n greedy tokens verified in one block - their logits decoded one at a time|."""
-    from quickdraft.runner import ModelRunner
+    from quickdraft.backends.runner import ModelRunner
 
     runner = ModelRunner(model, "target")
     runner.reset(1)
@@ -136,9 +136,9 @@ def test_bf16_and_int8_greedy_speculative_output_parts_only_at_near_ties(real_mo
     AVX-512 BF16 over 64 tokens of 2 HumanEval and 2 MT-Bench prompts: bf16 identical on 3 of 4
     (first departure at token 51), int8 on 1 of 4 (tokens 7, 25, 51); on the HumanEval prompt
     used here int8 parts at token 7, where the target's top two logits are 0.125 apart."""
-    from quickdraft.datasets import load_dataset
+    from quickdraft.evaluation.datasets import load_dataset
     from quickdraft.pipeline import Pipeline
-    from quickdraft.quant import quantize_by_name
+    from quickdraft.backends.quant import quantize_by_name
 
     pipe = Pipeline.from_specs("target", None, dtype="bfloat16")
     prompts = [pipe.encode_messages(load_dataset("humaneval", 2)[1].messages)]  # int8 parted at token 7

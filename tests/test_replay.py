@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
-from quickdraft.policies import Confidence, Constant, Heuristic, SpecDecPP
-from quickdraft.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, walk
-from quickdraft.runner import ModelRunner
+from quickdraft.decoding.policies import Confidence, Constant, Heuristic, SpecDecPP
+from quickdraft.adaptive.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, walk
+from quickdraft.backends.runner import ModelRunner
 
 from conftest import TINY_VOCAB
 from test_policies import confidence_head, random_head

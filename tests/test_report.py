@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from quickdraft.bench import _write_json, cell_path
-from quickdraft.quality import compare_paired, pass_at_1
-from quickdraft.report import (
+from quickdraft.evaluation.bench import _write_json, cell_path
+from quickdraft.evaluation.quality import compare_paired, pass_at_1
+from quickdraft.evaluation.report import (
     README_END,
     README_START,
     markdown_table,
@@ -172,7 +172,7 @@ def test_write_reports_and_readme(records, tmp_path):
 
 
 def test_plot_adaptive_draws_fixed_k_against_the_policies(tmp_path):
-    from quickdraft.report import plot_adaptive
+    from quickdraft.evaluation.report import plot_adaptive
 
     summary = {"humaneval@T=0.0": {"fixed_k1": {"tokens_per_s": 4.0}, "fixed_k2": {"tokens_per_s": 5.0},
                                    "specdecpp_h0.5": {"tokens_per_s": 5.5}, "heuristic": {"tokens_per_s": 4.5}}}

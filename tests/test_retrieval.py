@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.drafters import ModelDrafter, NGramModelDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter, NGramModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.pipeline import Pipeline
-from quickdraft.policies import Constant
-from quickdraft.retrieval import (
+from quickdraft.decoding.policies import Constant
+from quickdraft.decoding.retrieval import (
     SEPARATOR, RetrievalDrafter, RetrievalIndex, most_frequent_path, read_datastore, suffix_array,
     suffix_array_numpy,
 )
-from quickdraft.rules import Greedy, Lossless
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
+from quickdraft.verification.rules import Greedy, Lossless
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
 
 from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, tiny_lm, word_tokenizer
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)
@@ -132,7 +132,7 @@ def test_glob_datastores_and_the_bench_spelling(tmp_path, monkeypatch):
         read_datastore(tmp_path / "*.md")
     import sysconfig
 
-    from quickdraft.bench import expand_datastore
+    from quickdraft.evaluation.bench import expand_datastore
 
     monkeypatch.setenv("STORE_ROOT", str(tmp_path))
     assert expand_datastore("$STORE_ROOT/*.py") == f"{tmp_path}/*.py"

@@ -2,7 +2,7 @@
 
 The goodness-of-fit tests run a two-token speculative generation on small Markov "language models"
 (a first-token distribution and a V x V next-token table, for the target and for the draft),
-through ``rule.propose`` and :func:`quickdraft.verify.verify_chain` with K = 2, 100,000 times, and
+through ``rule.propose`` and :func:`quickdraft.verification.verify.verify_chain` with K = 2, 100,000 times, and
 compare the first output token and the (first, second) pair with the target's distributions by a
 chi-square test (cells with expected count < 5 pooled). Seeds are fixed, so each test is
 deterministic; the bound is a real p-value (> 1e-4) and a negative control must fall below 1e-6.
@@ -21,9 +21,9 @@ import pytest
 import scipy.stats
 import torch
 
-from quickdraft.divergences import DIVERGENCES, get_divergence, jsd
+from quickdraft.verification.divergences import DIVERGENCES, get_divergence, jsd
 from quickdraft.errors import QuickdraftError
-from quickdraft.rules import (
+from quickdraft.verification.rules import (
     Fuzzy,
     Greedy,
     Lossless,
@@ -33,8 +33,8 @@ from quickdraft.rules import (
     residual,
     typical_threshold,
 )
-from quickdraft.sampling import SamplingParams, logits_to_probs, sample
-from quickdraft.verify import verify_chain
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs, sample
+from quickdraft.verification.verify import verify_chain
 
 N_SAMPLES = 100_000
 K = 2
@@ -522,7 +522,7 @@ def test_typical_validation():
 
 
 def test_rule_registry_and_flags():
-    from quickdraft.rules import RULES, ExponentialRace
+    from quickdraft.verification.rules import RULES, ExponentialRace
 
     assert set(RULES) == {"lossless", "greedy", "fsd", "typical", "ersd", "lantern", "contrastive"}
     assert all(RULES[name]().name == name for name in RULES)
@@ -565,7 +565,7 @@ BAD_PROBS = {"unnormalised": "sum to 1", "negative": "negative probabilities", "
 @pytest.mark.parametrize("how", list(BAD_PROBS))
 @pytest.mark.parametrize("which", ["draft_probs", "target_probs"])
 def test_verify_chain_and_sample_step_reject_the_same_bad_distributions(how, which):
-    from quickdraft.multidraft import sample_step
+    from quickdraft.verification.multidraft import sample_step
 
     draft_ids, draft_probs, target_probs = _valid_chain()
     if which == "draft_probs":
@@ -584,7 +584,7 @@ def test_verify_chain_and_sample_step_reject_the_same_bad_distributions(how, whi
 def test_distributions_off_by_float_rounding_pass():
     """Engine-like inputs: float32 softmax over a large vocabulary (sums off by ~1e-6), bfloat16
     probabilities (off by up to ~1e-3 / 2), one-hot greedy rows."""
-    from quickdraft.sampling import ROW_SUM_TOLERANCE, check_distributions
+    from quickdraft.verification.sampling import ROW_SUM_TOLERANCE, check_distributions
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 151_936, generator=gen) * 4
@@ -607,7 +607,7 @@ def test_fsd_at_threshold_zero_is_lossless_draw_for_draw(divergence):
     emits exactly Lossless's tokens (same random stream), plain FSD exactly the target samples of
     plain decoding; neither counts a lossy acceptance. At T > 0 the fuzzy test accepts drafts that
     Lossless rejects (the negative control)."""
-    from quickdraft.sampling import sample
+    from quickdraft.verification.sampling import sample
 
     gen = torch.Generator().manual_seed(3)
     b, k, v = 400, 3, 8

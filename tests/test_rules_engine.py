@@ -18,14 +18,14 @@ import pytest
 import scipy.stats
 import torch
 
-from quickdraft.drafters import ModelDrafter, NGramDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
-from quickdraft.policies import Constant, Heuristic
-from quickdraft.rules import ExponentialRace, Fuzzy, Lossless, Typical
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs
+from quickdraft.decoding.policies import Constant, Heuristic
+from quickdraft.verification.rules import ExponentialRace, Fuzzy, Lossless, Typical
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs
 
 from conftest import TINY_VOCAB, perturbed_copy, tiny_lm
 

@@ -1,4 +1,4 @@
-"""LANTERN's relaxed acceptance (:class:`quickdraft.rules.Latent`) and its neighbourhood table.
+"""LANTERN's relaxed acceptance (:class:`quickdraft.verification.rules.Latent`) and its neighbourhood table.
 
 The distortion bound tested here (derived in the ``Latent`` docstring): LANTERN's δ bounds each
 relaxed target, TV(p, p̃_x) = m_δ(x) ≤ δ. One verification step then emits token y with probability
@@ -25,12 +25,12 @@ import torch
 from typer.testing import CliRunner
 
 from quickdraft.cli import app
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
 from quickdraft.pipeline import Pipeline
-from quickdraft.rules import (
+from quickdraft.verification.rules import (
     Latent,
     LatentNeighbourhoods,
     Lossless,
@@ -40,9 +40,9 @@ from quickdraft.rules import (
     latent_neighbourhoods,
     residual,
 )
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
-from quickdraft.verify import verify_chain
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
+from quickdraft.verification.verify import verify_chain
 
 from conftest import TINY_VOCAB, chi_square_pvalue, word_tokenizer
 
@@ -263,7 +263,7 @@ def test_lazy_rows_equal_the_full_table_across_calls():
 
 
 def test_lazy_rows_compute_only_new_tokens_in_one_batch(monkeypatch):
-    from quickdraft import rules
+    from quickdraft.verification import rules
 
     embeddings = torch.randn(64, 8, generator=torch.Generator().manual_seed(9))
     lazy = LatentNeighbourhoods(embeddings, 4)

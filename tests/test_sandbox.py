@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from quickdraft import sandbox
-from quickdraft.datasets import load_humaneval_problems
-from quickdraft.sandbox import (
+from quickdraft.evaluation import sandbox
+from quickdraft.evaluation.datasets import load_humaneval_problems
+from quickdraft.evaluation.sandbox import (
     SandboxLimits,
     isolation_mode,
     run_humaneval_check,
@@ -514,7 +514,7 @@ def test_basic_mode_as_root_removes_what_the_run_left_in_shared_temporary_direct
 
 UNPRIVILEGED_CHECKS = r"""
 import json, os, socket, sys, time
-from quickdraft.sandbox import SandboxLimits, isolation_mode, run_humaneval_check, run_program
+from quickdraft.evaluation.sandbox import SandboxLimits, isolation_mode, run_humaneval_check, run_program
 limits = SandboxLimits(timeout=3.0)
 result = {"uid": os.getuid(), "mode": isolation_mode()}
 with socket.socket() as server:
@@ -550,7 +550,7 @@ def test_basic_mode_as_an_unprivileged_user():
         pytest.skip("needs util-linux setpriv")
     shared = Path(tempfile.mkdtemp(prefix="quickdraft-sandbox-test-"))
     shared.chmod(0o777)
-    src = Path(sandbox.__file__).resolve().parents[1]
+    src = Path(sandbox.__file__).resolve().parents[2]
     try:
         done = subprocess.run(
             [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", UNPRIVILEGED_CHECKS,

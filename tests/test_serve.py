@@ -28,12 +28,12 @@ except ImportError:  # pragma: no cover
     httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
-from quickdraft.drafters import ModelDrafter  # noqa: E402
-from quickdraft.engine import Decoder, generate  # noqa: E402
+from quickdraft.decoding.drafters import ModelDrafter  # noqa: E402
+from quickdraft.decoding.engine import Decoder, generate  # noqa: E402
 from quickdraft.pipeline import Pipeline  # noqa: E402
-from quickdraft.policies import Constant  # noqa: E402
-from quickdraft.runner import ModelRunner  # noqa: E402
-from quickdraft.sampling import SamplingParams  # noqa: E402
+from quickdraft.decoding.policies import Constant  # noqa: E402
+from quickdraft.backends.runner import ModelRunner  # noqa: E402
+from quickdraft.verification.sampling import SamplingParams  # noqa: E402
 from quickdraft.serve.app import ServerConfig, create_app  # noqa: E402
 from quickdraft.serve.scheduler import held_back  # noqa: E402
 from quickdraft.serve.settings import ServeDefaults, build_spec  # noqa: E402
@@ -325,7 +325,7 @@ SETTINGS = [
 
 @pytest.fixture(scope="module")
 def head_path(tmp_path_factory):
-    from quickdraft.head import AcceptanceHead, save_head
+    from quickdraft.decoding.head import AcceptanceHead, save_head
 
     torch.manual_seed(0)
     return str(save_head(AcceptanceHead(32, 1), tmp_path_factory.mktemp("head") / "head.pt"))

@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.engine import generate
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
-from quickdraft.rules import Fuzzy, Typical
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs
-from quickdraft.tree import TokenTree, TreeConfig, ancestor_mask, build_tree, compile_paths, sampled_plan
-from quickdraft.tree_decoding import generate_tree
+from quickdraft.verification.rules import Fuzzy, Typical
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs
+from quickdraft.decoding.tree import TokenTree, TreeConfig, ancestor_mask, build_tree, compile_paths, sampled_plan
+from quickdraft.decoding.tree_decoding import generate_tree
 
 from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, perturbed_copy, tiny_lm, tree_pair_counts
 
@@ -67,12 +67,12 @@ def test_compile_paths_gives_parents_depths_mask_and_retrieve_indices():
 
 
 def test_the_module_doctests_pass():
-    """The worked examples in quickdraft.tree's docstrings are run, not just read."""
+    """The worked examples in quickdraft.decoding.tree's docstrings are run, not just read."""
     import doctest
 
-    import quickdraft.tree
+    import quickdraft.decoding.tree
 
-    result = doctest.testmod(quickdraft.tree, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(quickdraft.decoding.tree, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, result
 
 

@@ -4,8 +4,8 @@
    distributions — after the root and after every first token — of four kinds: independent
    random, peaked (both put ~0.9 on one token, the same token in half of the contexts), disjoint
    supports (nothing is ever accepted: the output is all residual) and partially overlapping
-   supports. For every tree (scheme, verifier) pair, :func:`quickdraft.tree.build_tree` grows a
-   real depth-2 tree from the draft table and :func:`quickdraft.tree_decoding.verify_tree` walks it;
+   supports. For every tree (scheme, verifier) pair, :func:`quickdraft.decoding.tree.build_tree` grows a
+   real depth-2 tree from the draft table and :func:`quickdraft.decoding.tree_decoding.verify_tree` walks it;
    the emitted pair of tokens (a second token drawn from the exact target conditional when the
    walk stops after one) is compared over all 64 cells with ``p(t1) p(t2 | t1)`` by Pearson's
    chi-square on N = 100,000 pairs. With 64 cells the test has power: at 1e-4 it rejects a
@@ -36,12 +36,12 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.drafters import pending_block
-from quickdraft.engine import generate
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs
-from quickdraft.tree import TokenTree, TreeConfig, build_tree
-from quickdraft.tree_decoding import generate_tree
+from quickdraft.decoding.drafters import pending_block
+from quickdraft.decoding.engine import generate
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs
+from quickdraft.decoding.tree import TokenTree, TreeConfig, build_tree
+from quickdraft.decoding.tree_decoding import generate_tree
 
 from conftest import chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, tree_pair_counts
 

@@ -1,4 +1,4 @@
-"""The optimal static race tree (quickdraft.tree_shapes): rank counting, the shape, losslessness, its value.
+"""The optimal static race tree (quickdraft.decoding.tree_shapes): rank counting, the shape, losslessness, its value.
 
 * Counting: ranks counted by :func:`race_ranks` over many arrival-time vectors follow the exact law
   :func:`quickdraft.theory.ersd.race_rank_distribution` (chi-square, N = 200,000; a shifted law must fail).
@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft.engine import generate
+from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
-from quickdraft.race import race_keys
-from quickdraft.rules import ExponentialRace
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams, logits_to_probs
+from quickdraft.verification.race import race_keys
+from quickdraft.verification.rules import ExponentialRace
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs
 from quickdraft.theory.ersd import draft_tree_expected_tokens, optimal_draft_tree, race_rank_distribution
-from quickdraft.tree import TreeConfig, compile_paths
-from quickdraft.tree_decoding import generate_tree
-from quickdraft.tree_shapes import (
+from quickdraft.decoding.tree import TreeConfig, compile_paths
+from quickdraft.decoding.tree_decoding import generate_tree
+from quickdraft.decoding.tree_shapes import (
     NEVER, RankLaw, RankLawFile, chain_paths, estimate_rank_law, greedy_ranks, non_increasing, optimal_race_tree,
     optimal_tree_config, race_ranks, rank_law_from_ranks,
 )

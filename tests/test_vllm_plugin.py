@@ -1,4 +1,4 @@
-"""quickdraft.integrations.vllm_plugin: quickdraft's rules as vLLM's speculative-decoding accept step.
+"""quickdraft.backends.vllm_plugin: quickdraft's rules as vLLM's speculative-decoding accept step.
 
 The layout tests need no vLLM. The others skip unless vLLM imports (its own environment,
 ``bash scripts/test_vllm.sh``): goodness of fit of the lossless rules through vLLM's
@@ -19,10 +19,10 @@ import torch
 from scipy import stats
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.integrations import vllm_plugin
-from quickdraft.integrations.vllm_plugin import BatchPlan, plan_scope, rule_from_args, verify_requests
-from quickdraft.rules import ExponentialRace, Fuzzy, Lossless, Typical
-from quickdraft.verify import verify_chain
+from quickdraft.backends import vllm_plugin
+from quickdraft.backends.vllm_plugin import BatchPlan, plan_scope, rule_from_args, verify_requests
+from quickdraft.verification.rules import ExponentialRace, Fuzzy, Lossless, Typical
+from quickdraft.verification.verify import verify_chain
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (bash scripts/test_vllm.sh)")
@@ -114,7 +114,7 @@ def test_verify_requests_equals_verify_chain_on_the_padded_batch(rule):
 
     ids, q, p, lengths = _padded_reference(num_drafts, rows, draft_ids, draft_probs, target_logits, bonus,
                                            is_greedy.tolist(), vocab)
-    from quickdraft.rules import VerifyContext
+    from quickdraft.verification.rules import VerifyContext
     ctx = VerifyContext(positions=positions[rows], raw_draft_probs=q, raw_target_probs=p,
                         extra={"row_ids": row_ids[rows]})
     want = verify_chain(ids, q, p, rule, torch.Generator().manual_seed(9), ctx=ctx, draft_lengths=lengths)
@@ -352,7 +352,7 @@ def test_end_to_end_lossless_rule_leaves_greedy_output_unchanged(tmp_path, monke
 
 
 def test_expand_batch_to_tokens_repeats_per_request():
-    from quickdraft.integrations.vllm_plugin import expand_batch_to_tokens
+    from quickdraft.backends.vllm_plugin import expand_batch_to_tokens
 
     cu = torch.tensor([2, 5, 5, 6], dtype=torch.int32)
     got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 9.0, 2.0]), cu, 6, replace_from=0, replace_to=1)

@@ -25,8 +25,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
 
-    from quickdraft.bench import encode_prompt
-    from quickdraft.datasets import load_dataset
+    from quickdraft.evaluation.bench import encode_prompt
+    from quickdraft.evaluation.datasets import load_dataset
     from quickdraft.methods import build_method
     from quickdraft.pipeline import Pipeline
 

@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the table as JSON here")
     args = parser.parse_args()
 
-    from quickdraft.datasets import load_humaneval_problems, load_mtbench
+    from quickdraft.evaluation.datasets import load_humaneval_problems, load_mtbench
     from quickdraft.models import resolve
     from tokenizers import Tokenizer
 

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.bench import encode_prompt, prompt_seed
-from quickdraft.datasets import load_dataset
+from quickdraft.evaluation.bench import encode_prompt, prompt_seed
+from quickdraft.evaluation.datasets import load_dataset
 from quickdraft.methods import build_method
 from quickdraft.pipeline import Pipeline
-from quickdraft.race import race_keys, race_sample
-from quickdraft.sampling import SamplingParams, logits_to_probs
+from quickdraft.verification.race import race_keys, race_sample
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs
 
 
 def first_fork(tokens: list[int], reference: list[int]) -> int | None:

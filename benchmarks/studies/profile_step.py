@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmark programs, one folder up
 from bench_tree import ForwardClock  # noqa: E402  (the same forward timers as the tree benchmark)
 
-from quickdraft.datasets import load_humaneval
-from quickdraft.policies import Constant
-from quickdraft.sampling import SamplingParams
+from quickdraft.evaluation.datasets import load_humaneval
+from quickdraft.decoding.policies import Constant
+from quickdraft.verification.sampling import SamplingParams
 
 
 def profile(weights: str, prompts: list[list[int]], pipe, k: int, max_new: int) -> list[dict]:

@@ -15,7 +15,7 @@ in the run          current name
 in every raw cell (``method`` label and ``params.divergence``, and the cell's file path, which
 is derived from the label), in ``run.json`` (entries, baseline, commands), and then rewrites
 ``summary.csv`` / ``summary.json`` / ``summary.md`` and the plots from the relabelled cells with
-:func:`quickdraft.report.write_reports`. Titles and descriptions (prose) are left as they are.
+:func:`quickdraft.evaluation.report.write_reports`. Titles and descriptions (prose) are left as they are.
 
 A run that already names ``jsd``, ``topk_jsd`` or a ``topp_*`` divergence uses the current names
 and is left alone, so running the script twice on a run with a ``js`` entry changes nothing (a run
@@ -36,8 +36,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from quickdraft.bench import cell_path
-from quickdraft.report import write_reports
+from quickdraft.evaluation.bench import cell_path
+from quickdraft.evaluation.report import write_reports
 
 #: divergence name in the run -> current name
 RENAMES = {"js": "jsd", "js_fsd": "js", "topk_js": "topk_jsd", "topk_js_fsd": "topk_js"}
@@ -64,7 +64,7 @@ def _relabel_strings(value: Any) -> Any:
 
 
 def _dump(payload: Any) -> str:
-    return json.dumps(payload, indent=1, ensure_ascii=False)  # as quickdraft.bench writes them
+    return json.dumps(payload, indent=1, ensure_ascii=False)  # as quickdraft.evaluation.bench writes them
 
 
 def relabel_run(run_dir: Path, dry_run: bool = False) -> list[str]:

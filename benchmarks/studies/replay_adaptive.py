@@ -1,4 +1,4 @@
-"""Adaptive draft length at temperature 0, by exact replay (``quickdraft.replay``).
+"""Adaptive draft length at temperature 0, by exact replay (``quickdraft.adaptive.replay``).
 
 At T = 0 the output does not depend on the draft length, so one greedy output per prompt and the
 draft's greedy chain from every position of it decide the steps, drafted and accepted tokens of
@@ -33,15 +33,15 @@ import numpy as np
 import torch
 from scipy.stats import spearmanr
 
-from quickdraft.datasets import load_humaneval, load_mtbench
-from quickdraft.drafters import ModelDrafter
-from quickdraft.engine import generate
-from quickdraft.head import load_head
+from quickdraft.evaluation.datasets import load_humaneval, load_mtbench
+from quickdraft.decoding.drafters import ModelDrafter
+from quickdraft.decoding.engine import generate
+from quickdraft.decoding.head import load_head
 from quickdraft.pipeline import Pipeline
-from quickdraft.policies import Confidence, Constant, Heuristic, SpecDecPP
-from quickdraft.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, walk
-from quickdraft.report import plot_adaptive_replay
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Confidence, Constant, Heuristic, SpecDecPP
+from quickdraft.adaptive.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, walk
+from quickdraft.evaluation.report import plot_adaptive_replay
+from quickdraft.verification.sampling import SamplingParams
 
 
 def parse_args() -> argparse.Namespace:

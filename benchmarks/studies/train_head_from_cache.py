@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.head import HeadMetadata, load_head, save_head
-from quickdraft.headtrain import (
+from quickdraft.decoding.head import HeadMetadata, load_head, save_head
+from quickdraft.adaptive.headtrain import (
     DEFAULT_HEAD_PATH, Examples, TrainConfig, head_path_for, plot_reliability, specdecpp_cache_dir, train_head,
 )
 

@@ -12,14 +12,14 @@ from typing import Optional
 
 import typer
 
-from quickdraft.analyze import analyze_command
-from quickdraft.bench import bench_command
+from quickdraft.evaluation.analyze import analyze_command
+from quickdraft.evaluation.bench import bench_command
 from quickdraft.errors import QuickdraftError
 from quickdraft.backends import resolve_backend
-from quickdraft.headtrain import train_head_command
+from quickdraft.adaptive.headtrain import train_head_command
 from quickdraft.methods import METHOD_NAMES, build_method
-from quickdraft.models import models_app
-from quickdraft.sampling import SamplingParams
+from quickdraft.models_cli import models_app
+from quickdraft.verification.sampling import SamplingParams
 
 app = typer.Typer(
     help="quickdraft: speculative decoding for Hugging Face causal LMs.",
@@ -41,7 +41,7 @@ def fail(message: str) -> None:
 def _divergence_name(divergence: str) -> str:
     """``divergence`` with a deprecated name replaced by its current one, said on stderr (Python
     does not show a library's DeprecationWarning on the command line)."""
-    from quickdraft.divergences import DEPRECATED_NAMES
+    from quickdraft.verification.divergences import DEPRECATED_NAMES
 
     if divergence in DEPRECATED_NAMES:
         typer.echo(f"warning: divergence {divergence!r} is deprecated; use {DEPRECATED_NAMES[divergence]!r} "
@@ -152,7 +152,7 @@ def generate(
             phrase_len=phrase_len, phrase_pool=phrase_pool,
             phrase_max_draft=phrase_max_draft,
         )
-        from quickdraft.engine import check_max_new_tokens
+        from quickdraft.decoding.engine import check_max_new_tokens
         from quickdraft.pipeline import Pipeline, check_prompt_text, check_stop_strings
 
         # everything that does not need the models is checked before they load
@@ -163,7 +163,7 @@ def generate(
         check_datastore_option(method, spec.needs_datastore, datastore)
         threads = None
         if spec.engine_method == "amusd" and resolve_backend(backend) == "openvino":  # both models run at once
-            from quickdraft.amusd import split_threads
+            from quickdraft.decoding.amusd import split_threads
             from quickdraft.backends.openvino.runner import openvino_threads
 
             threads = split_threads(openvino_threads())
@@ -278,7 +278,7 @@ def serve(
             draft_dtype=draft_dtype, draft_vocab=draft_vocab if use_draft else None,
         )
         if head is not None and backend == "torch" and pipe.draft_model is not None:
-            from quickdraft.policies import SpecDecPP
+            from quickdraft.decoding.policies import SpecDecPP
 
             SpecDecPP.from_file(head).head.check_draft(pipe.draft_model, name=f"draft {draft!r}")
         if datastore is not None:

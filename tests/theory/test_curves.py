@@ -143,7 +143,7 @@ def test_rrs_wor_interval_tiny_remaining_mass():
 def test_rrs_wor_large_vocabulary_against_sample_step():
     """V = 400, n = 3 (beyond the exact recursion): sample_step's Monte Carlo lies in the certified interval."""
     torch = pytest.importorskip("torch")
-    from quickdraft.multidraft import sample_step
+    from quickdraft.verification.multidraft import sample_step
 
     rng = np.random.default_rng(24)
     z = rng.standard_normal(400)

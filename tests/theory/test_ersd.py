@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from quickdraft import race
+from quickdraft.verification import race
 from quickdraft.errors import QuickdraftError
 from quickdraft.theory import (
     DraftTree,
@@ -74,7 +74,7 @@ def all_trees(num_children: int, k: int) -> set[frozenset]:
 
 
 def race_ranks(p: np.ndarray, q: np.ndarray, depth: int, trials: int, seed: int) -> np.ndarray:
-    """``[trials, depth]`` 0-based ranks of the target's race winner in the draft's race, from quickdraft.race."""
+    """``[trials, depth]`` 0-based ranks of the target's race winner in the draft's race, from quickdraft.verification.race."""
     v = p.shape[0]
     keys = race.race_keys(seed, torch.arange(trials).unsqueeze(1), torch.arange(depth).unsqueeze(0))  # [B, D]
     arrivals = race.arrival_times(keys, v)  # [B, D, V]
@@ -139,7 +139,7 @@ def test_chain_and_single_step_are_trees():
 
 @pytest.mark.parametrize("v", [4, 8])
 def test_expected_tokens_against_race_implementation(v):
-    """Optimal rank tree, chain (accept_race_branches) and k candidates, by quickdraft.race; shifted draft rejected."""
+    """Optimal rank tree, chain (accept_race_branches) and k candidates, by quickdraft.verification.race; shifted draft rejected."""
     trials = 12_000
     for i, (shape, p, q) in enumerate(pairs(10 + v, v)):
         pmf = race_rank_distribution(p, q)

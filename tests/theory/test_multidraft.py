@@ -302,7 +302,7 @@ CASES = [
 ]
 
 
-# RRS over greedy drafts is checked against quickdraft.multidraft.sample_step in test_sampler_agreement.py
+# RRS over greedy drafts is checked against quickdraft.verification.multidraft.sample_step in test_sampler_agreement.py
 @pytest.mark.parametrize("verifier,mode", [vm for vm in VERIFIER_MODES if vm != ("rrs", "greedy")])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_verifier_rate_and_law_match_monte_carlo(verifier, mode, case):

@@ -1,4 +1,4 @@
-"""Monte Carlo of the step-level sampler ``quickdraft.multidraft.sample_step`` against the exact
+"""Monte Carlo of the step-level sampler ``quickdraft.verification.multidraft.sample_step`` against the exact
 acceptance rates of ``quickdraft.theory.verifier_acceptance``, for every valid (sampling, verifier) pair.
 
 Separate from ``test_multidraft.py`` because 100,000 steps per case make it the slow part (about
@@ -28,7 +28,7 @@ def tv(p, q):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The step-level sampler (quickdraft.multidraft.sample_step) against the exact rates
+# The step-level sampler (quickdraft.verification.multidraft.sample_step) against the exact rates
 # ---------------------------------------------------------------------------------------------------
 
 #: Distribution pairs for the Monte Carlo check (V = 6, n = 3 <= |supp q| for every scheme)
@@ -47,7 +47,7 @@ Z_BOUND = 5.33
 
 def sampler_rate(p, q, n, mode, verifier, seed):
     torch = pytest.importorskip("torch")
-    from quickdraft.multidraft import sample_step
+    from quickdraft.verification.multidraft import sample_step
 
     gen = torch.Generator().manual_seed(seed)
     tp = torch.tensor(p, dtype=torch.float64).expand(MC_SAMPLES, -1).contiguous()

@@ -1,4 +1,4 @@
-"""Model backends behind the :class:`quickdraft.runner.ModelRunner` interface.
+"""Model backends (runners, quantised and packed layers, kernels, the vLLM plugin) behind the :class:`quickdraft.backends.runner.ModelRunner` interface.
 
 A backend runner owns one model's KV cache and implements ``reset(B)``,
 ``forward(tokens [B, m], valid [B, m], logits_to_keep, output_hidden) -> ForwardOutput``,
@@ -7,8 +7,8 @@ A backend runner owns one model's KV cache and implements ``reset(B)``,
 and every acceptance rule then run on it unchanged.
 
 ``torch``
-    :class:`quickdraft.runner.ModelRunner` over a ``transformers`` model (optionally with the
-    weight-only int8/int4 layers of :mod:`quickdraft.quant`).
+    :class:`quickdraft.backends.runner.ModelRunner` over a ``transformers`` model (optionally with the
+    weight-only int8/int4 layers of :mod:`quickdraft.backends.quant`).
 ``llamacpp``
     :class:`quickdraft.backends.llamacpp.LlamaCppRunner` over a GGUF file through
     ``llama-cpp-python``'s low-level API (``pip install 'quickdraft[llamacpp]'``).

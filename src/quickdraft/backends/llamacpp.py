@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.policies import MAX_DRAFT_LENGTH
-from quickdraft.runner import ForwardOutput
+from quickdraft.verification.verify import MAX_DRAFT_LENGTH
+from quickdraft.backends.runner import ForwardOutput
 
 _BACKEND_READY = False
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.sampling import SamplingParams
+from quickdraft.verification.sampling import SamplingParams
 from quickdraft.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from quickdraft.serve.scheduler import Draining, Job, Scheduler
 from quickdraft.serve.settings import ServeDefaults, SpeculativeSettings, build_spec

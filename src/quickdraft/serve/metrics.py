@@ -28,7 +28,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from quickdraft.metrics import GenerationMetrics
+from quickdraft.decoding.metrics import GenerationMetrics
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
 

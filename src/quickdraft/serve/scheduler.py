@@ -4,7 +4,7 @@ between steps.
 A request (:class:`Job`) becomes ``len(prompts) * n`` rows. It waits in a FIFO queue until the
 running rows leave room for it (``max_rows`` in all), then joins the batch of its
 :class:`~quickdraft.serve.settings.StepKey` at the next engine step: its rows are appended to that
-batch's KV caches and prefilled (:meth:`quickdraft.engine.Decoder.add_rows`), and from then on every
+batch's KV caches and prefilled (:meth:`quickdraft.decoding.engine.Decoder.add_rows`), and from then on every
 step of the batch drafts, verifies and commits them with the others. Requests with different
 speculation or sampling settings cannot share a step (one rule, one policy and one draft length per
 step), so each setting has its own batch and the scheduler steps the batches round-robin. A
@@ -29,11 +29,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from quickdraft.engine import Decoder
+from quickdraft.decoding.engine import Decoder
 from quickdraft.errors import QuickdraftError
-from quickdraft.metrics import GenerationMetrics
-from quickdraft.runner import ModelRunner
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.metrics import GenerationMetrics
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import SamplingParams
 from quickdraft.serve.metrics import ServerMetrics
 from quickdraft.serve.settings import ServeDefaults, StepKey, build_spec
 

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import MethodSpec, build_method
-from quickdraft.policies import MAX_DRAFT_LENGTH
-from quickdraft.sampling import SamplingParams
+from quickdraft.decoding.policies import MAX_DRAFT_LENGTH
+from quickdraft.verification.sampling import SamplingParams
 
 #: methods the server runs (token trees, ``tree`` and ERSD with several candidates, need a loop of
 #: their own and are not served; ``rest`` and ``rest_sd`` need the server's ``--datastore``)
@@ -34,7 +34,7 @@ class SpeculativeSettings(BaseModel):
     policy: draft-length policy, one of :data:`POLICIES` (``specdecpp`` uses the server's ``--head``).
     threshold: FSD divergence threshold (>= 0).
     divergence: FSD divergence (``js``, ``jsd``, ``kl``, ``kl_reverse``, ``tv``, ``topk_*``, ``topp_*``;
-        :mod:`quickdraft.divergences`); ``js`` is FSD's "JS", ``jsd`` the textbook Jensen–Shannon.
+        :mod:`quickdraft.verification.divergences`); ``js`` is FSD's "JS", ``jsd`` the textbook Jensen–Shannon.
     hybrid: FSD with the lossless test above the threshold.
     drafts: ``auto``, ``greedy`` or ``sampled`` (fsd and typical).
     epsilon, delta: typical acceptance's posterior threshold and alpha.

@@ -8,7 +8,7 @@ With per-token acceptance rate :math:`\alpha` assumed i.i.d. across positions (L
     \mathbb{E}[\text{tokens per target call}] = \sum_{i=0}^{k} \alpha^i = \frac{1 - \alpha^{k+1}}{1 - \alpha}
 
 (accepted tokens plus the one recovered-or-bonus token; this is the *mean acceptance length* of
-:mod:`quickdraft.verify`), and with draft cost :math:`c` (one draft forward over one target forward)
+:mod:`quickdraft.verification.verify`), and with draft cost :math:`c` (one draft forward over one target forward)
 the walltime speed-up over plain decoding is (Leviathan et al. 2023, Thm. 3.8)
 
 .. math::

@@ -3,7 +3,7 @@ r"""Exponential-race speculative decoding (ERSD) as channel simulation: rank law
 Setting and terms
 -----------------
 Target ``p`` (``target_probs``) and draft ``q`` (``draft_probs``) race with shared arrivals
-:math:`E_v \sim \mathrm{Exp}(1)` (:mod:`quickdraft.race`): the target's token is
+:math:`E_v \sim \mathrm{Exp}(1)` (:mod:`quickdraft.verification.race`): the target's token is
 :math:`Y = \arg\min_v E_v / p(v)`, and the draft ranks every token by :math:`E_v / q(v)`. The *rank*
 :math:`R \in \{1, \dots, V\} \cup \{\infty\}` is the position of :math:`Y` in the draft's order
 (:math:`\infty` when :math:`q(Y) = 0`: the draft never proposes it). A race tree drafts, at each node,

@@ -476,7 +476,7 @@ def verifier_acceptance(target_probs, draft_probs, num_drafts: int, sampling: st
         emitted; if all are rejected emit from :math:`\mathrm{norm}((p - \rho q)^+)` (the residual that
         makes the output law exactly :math:`p`, see ``docs/theory.md``). Rate
         :math:`1 - (1 - \beta(\rho))^n = \rho \beta(\rho)` with :math:`\rho` = :func:`kseq_rho`.
-    ``"rrs"`` with ``"greedy"`` (the convention of :func:`quickdraft.multidraft.sample_step`)
+    ``"rrs"`` with ``"greedy"`` (the convention of :func:`quickdraft.verification.multidraft.sample_step`)
         The ``n - 1`` deterministic drafts :math:`G = (g_1, \dots, g_{n-1})` (decreasing ``q``) are draws
         from point masses :math:`\delta_{g_i}`, so RRS accepts :math:`g_i` with probability
         :math:`p_i(g_i)` and a rejection removes :math:`g_i` from :math:`p_i` (renormalised). The

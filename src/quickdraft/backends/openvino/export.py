@@ -376,7 +376,7 @@ def export(model_dir: str | Path, out_dir: str | Path, weight_format: str = "int
         print(f"  OpenVINO export of {model_dir.name} ({weight_format}): tracing ...", flush=True)
     model = _load_float32(model_dir)
     config = model.config
-    from quickdraft.head import model_fingerprint
+    from quickdraft.models import model_fingerprint
 
     fingerprint = model_fingerprint(model)  # checked against an acceptance head's draft
     head_ids = None

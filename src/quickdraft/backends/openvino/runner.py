@@ -2,7 +2,7 @@
 
 The IR (:mod:`quickdraft.backends.openvino.export`) keeps its KV cache inside the compiled model as
 state variables and takes an explicit 4D attention mask. The runner uses the same bookkeeping as the
-torch runner (:mod:`quickdraft.runner`): the cache holds ``L`` *slots* per row, each either valid
+torch runner (:mod:`quickdraft.backends.runner`): the cache holds ``L`` *slots* per row, each either valid
 (a token of the row, at its rotary position) or a *hole*. Because every call passes the full mask,
 
 * a roll-back after a rejection costs nothing: the rejected slots become holes, masked out of every
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.runner import ForwardOutput
-from quickdraft.sampling import check_finite
+from quickdraft.backends.runner import ForwardOutput
+from quickdraft.verification.sampling import check_finite
 
 from .export import EXPORT_MANIFEST, MODEL_XML
 
@@ -153,7 +153,7 @@ class OpenVINORunner:
         step is the engine's).
     model:
         A stand-in with ``config`` (the Hugging Face config), ``generation_config`` and
-        ``fingerprint`` (:func:`quickdraft.head.model_fingerprint` of the exported weights).
+        ``fingerprint`` (:func:`quickdraft.decoding.head.model_fingerprint` of the exported weights).
     """
 
     #: compaction waits until at least this many slots are holes
@@ -181,7 +181,7 @@ class OpenVINORunner:
         self.export_info = json.loads(manifest.read_text()) if manifest.is_file() else {}
         # a draft vocabulary: the head's rows are these token ids (None: the whole vocabulary)
         self.head_ids = _head_ids(self.export_info)
-        # the fingerprint of the exported weights (quickdraft.head.model_fingerprint), for head checks
+        # the fingerprint of the exported weights (quickdraft.decoding.head.model_fingerprint), for head checks
         self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path),
                                      fingerprint=self.export_info.get("fingerprint"))
         threads = n_threads or max(1, torch.get_num_threads())
@@ -328,7 +328,7 @@ class OpenVINORunner:
     ) -> ForwardOutput:
         """Append ``m`` tree nodes per row to the open tree block and return all their logits.
 
-        Same contract as :meth:`quickdraft.runner.ModelRunner.forward_tree`: ``depths [B, m]``
+        Same contract as :meth:`quickdraft.backends.runner.ModelRunner.forward_tree`: ``depths [B, m]``
         (a node's position is ``lengths + depth``), ``tree_mask [B, m, T + m]`` over the tree block
         (``T`` = :attr:`tree_size` before the call), ``valid [B, m]``.
         """

@@ -1,0 +1,268 @@
+"""Exact replay of greedy speculative decoding: draft-length policies compared without decoding.
+
+At temperature 0 speculative decoding emits the target's greedy text whatever the draft length, so
+a step that starts after ``j`` emitted tokens always sees the same context and the draft always
+proposes the same chain ``y_0, y_1, ...`` from there. Given the output ``x`` and, for every start
+``j``,
+
+* ``match[j]``: how many leading chain tokens equal ``x[j], x[j+1], ...`` (at most ``max_k``), and
+* ``stop[j]``: how many tokens a policy drafts from there (its decision reads only the chain),
+
+a run of any policy is a walk ``j -> j + min(match[j], stop[j]) + 1`` whose steps, drafted and
+accepted tokens are *exactly* those of the engine (``tests/test_replay.py`` checks them against
+:func:`quickdraft.decoding.engine.generate`). With the measured cost of a draft forward and of a target
+forward over ``m`` tokens (:class:`StepCost`) the walk also gives the decode time, so every fixed K,
+every threshold of every policy and the clairvoyant optimum (:func:`clairvoyant`: the draft length
+chosen per step knowing ``match``) are compared on the same texts, free of the run-to-run noise of
+wall-clock benchmarks. The time is a model (forwards only, plus a fixed per-step overhead); the
+step counts are not.
+
+Pure functions: :func:`walk`, :func:`clairvoyant`. Model side: :func:`draft_chains` (one
+teacher-forced draft pass over prompt + output, then the chain from every start, driving the real
+policy objects exactly as :class:`quickdraft.decoding.drafters.ModelDrafter` does) and
+:func:`measure_step_cost`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Callable, Sequence
+
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.decoding.policies import Policy
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.verification.sampling import raw_probs
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one speculative step that drafts ``k`` tokens: ``k`` draft forwards, one target
+    forward over ``k + 1`` tokens (the drafted ones and the token before them), plus ``overhead``.
+
+    ``target[m - 1]`` is the target forward time over ``m`` tokens, ``m = 1 .. len(target)``.
+    """
+
+    target: tuple[float, ...]
+    draft: float
+    overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.target or min(self.target) <= 0 or self.draft < 0 or self.overhead < 0:
+            raise QuickdraftError(f"step cost needs positive target times and non-negative draft/overhead, got {self}")
+
+    def step(self, k: int) -> float:
+        if not 1 <= k + 1 <= len(self.target):
+            raise QuickdraftError(f"no target time for a {k + 1}-token verification (have 1..{len(self.target)})")
+        return k * self.draft + self.target[k] + self.overhead
+
+
+@dataclass
+class ReplayResult:
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    lengths: list[int] = field(default_factory=list)  # drafted tokens per step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "new_tokens": self.new_tokens, "seconds": self.seconds}
+
+
+def _check_match(match: Sequence[int], n_tokens: int) -> None:
+    if len(match) < n_tokens:
+        raise QuickdraftError(f"need a match length for each of the {n_tokens} starts, got {len(match)}")
+
+
+def walk(
+    n_tokens: int,
+    match: Sequence[int],
+    choose: Callable[[int], int],
+    cost: StepCost | None = None,
+    update: Callable[[int, int], None] | None = None,
+) -> ReplayResult:
+    """Replay one greedy generation of ``n_tokens`` tokens.
+
+    Parameters
+    ----------
+    n_tokens: length of the output (``max_new_tokens`` or up to EOS).
+    match: ``match[j]``, leading draft tokens from start ``j`` equal to the output.
+    choose: ``choose(j) -> k``, the draft length of the step that starts at ``j``.
+    cost: optional; without it ``seconds`` stays 0.
+    update: optional ``update(k, accepted)`` after each step (stateful policies such as Heuristic).
+
+    A step drafts ``k = min(choose(j), n_tokens - j - 1)`` tokens (as the engine, it drafts no more
+    than the tokens left after the bonus token), accepts ``a = min(match[j], k)`` tokens and emits
+    ``a + 1`` (the last one the target's correction or bonus token).
+
+    >>> r = walk(5, [2, 0, 0, 1, 0], lambda j: 2)
+    >>> r.steps, r.drafted, r.accepted, r.lengths
+    (2, 3, 3, [2, 1])
+    """
+    _check_match(match, n_tokens)
+    res = ReplayResult()
+    j = 0
+    while j < n_tokens:
+        k = int(choose(j))
+        if k < 1:
+            raise QuickdraftError(f"a step must draft at least one token, got {k} at start {j}")
+        k = min(k, n_tokens - j - 1)
+        a = min(int(match[j]), k)
+        res.steps += 1
+        res.drafted += k
+        res.accepted += a
+        res.lengths.append(k)
+        if cost is not None:
+            res.seconds += cost.step(k)
+        if update is not None and k > 0:  # a step drafting nothing does not ask the policy
+            update(k, a)
+        j += a + 1
+    res.new_tokens = n_tokens
+    return res
+
+
+def clairvoyant(n_tokens: int, match: Sequence[int], cost: StepCost, max_k: int) -> ReplayResult:
+    """The least decode time any draft-length policy with ``1 <= k <= max_k`` can reach on this
+    output: a dynamic programme over starts that knows ``match`` (how far the draft is right).
+
+    ``V(j) = min_k cost(k') + V(min(n, j + min(match[j], k') + 1))``, ``V(n) = 0``, with
+    ``k' = min(k, n - j - 1)`` the draft :func:`walk` (and the engine) makes. It is a bound, not
+    a policy: no rule that sees only the draft can do better (its choices are among those tried).
+    """
+    _check_match(match, n_tokens)
+    best = [0.0] * (n_tokens + 1)
+    choice = [1] * n_tokens
+    for j in range(n_tokens - 1, -1, -1):
+        options = []
+        for k in range(1, max_k + 1):
+            drafted = min(k, n_tokens - j - 1)  # walk's cap by the tokens left
+            options.append((cost.step(drafted) + best[min(n_tokens, j + min(int(match[j]), drafted) + 1)], k))
+        best[j], choice[j] = min(options)
+    res = walk(n_tokens, match, lambda j: choice[j], cost)
+    assert abs(res.seconds - best[0]) <= 1e-9 * max(1.0, best[0])
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# model side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChainTable:
+    """Per start ``j``: ``match[j]`` and, per policy name, ``stops[name][j]``; ``forwards`` is the
+    number of draft forwards it took to build (teacher-forced pass excluded)."""
+
+    match: list[int]
+    stops: dict[str, list[int]]
+    forwards: int = 0
+
+
+def draft_chains(
+    draft: ModelRunner,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    policies: dict[str, Callable[[], Policy]],
+    max_k: int,
+    vocab_size: int,
+) -> ChainTable:
+    """Greedy draft chains from every start of ``output`` and where each policy stops them.
+
+    ``policies`` maps names to factories of policies whose stop depends only on the current step's
+    chain (``Confidence``, ``SpecDecPP``, ``Constant``; not ``Heuristic``, whose length comes from
+    earlier steps -- replay it with :func:`walk`'s ``update``). Each is driven through
+    ``begin_step`` / ``keep_drafting(i, raw_probs, hidden, token)`` exactly as
+    :class:`quickdraft.decoding.drafters.ModelDrafter` drives it: ``hidden`` is the state whose logits drew
+    token ``i``. A chain is extended until every policy has stopped and it has left the output
+    (or reached ``max_k`` tokens).
+    """
+    if not prompt:
+        raise QuickdraftError("draft_chains needs a non-empty prompt")
+    n = len(output)
+    if n == 0:
+        return ChainTable(match=[], stops={name: [] for name in policies})
+    p = len(prompt)
+    draft.reset(1)
+    full = torch.tensor([list(prompt) + list(output[:-1])], dtype=torch.long)
+    tf = draft.forward(full, logits_to_keep=n, output_hidden=True)  # column j predicts output[j]
+    tf_logits = tf.logits[0, :, :vocab_size]
+    tf_hidden = tf.hidden[0]
+    match: list[int] = []
+    stops: dict[str, list[int]] = {name: [] for name in policies}
+    forwards = 0
+    context = list(prompt) + list(output)
+    for j in range(n):
+        # Keep the first p + j - 1 positions, which hold the true context (what follows them is the
+        # previous start's chain): the first extension re-feeds context token p + j - 1 with y_0.
+        draft.truncate(torch.tensor([p + j - 1]))
+        live = {name: make() for name, make in policies.items()}
+        length = {name: pol.begin_step() for name, pol in live.items()}
+        for name, k in length.items():
+            if k > max_k:
+                raise QuickdraftError(f"policy {name} drafts up to {k} tokens, more than max_k = {max_k}")
+        stopped = {name: None for name in live}
+        logits, hidden = tf_logits[j:j + 1], tf_hidden[j:j + 1]
+        m, on_output = 0, True
+        for i in range(max_k):
+            raw = raw_probs(logits)
+            token = raw.argmax(dim=-1)  # [1]
+            if on_output and j + i < n and int(token) == output[j + i]:
+                m += 1
+            else:
+                on_output = False
+            for name, pol in live.items():
+                if stopped[name] is None:
+                    if i + 1 >= length[name]:
+                        stopped[name] = length[name]
+                    elif not pol.keep_drafting(i, raw, hidden, token=token):
+                        stopped[name] = i + 1
+            if i + 1 == max_k or (not on_output and all(s is not None for s in stopped.values())):
+                break
+            block = token.unsqueeze(1) if i else torch.tensor([[context[p + j - 1], int(token)]], dtype=torch.long)
+            out = draft.forward(block, output_hidden=True)
+            forwards += 1
+            logits, hidden = out.logits[:, -1, :vocab_size], out.hidden[:, -1]
+        match.append(m)
+        for name in live:
+            stops[name].append(stopped[name] if stopped[name] is not None else length[name])
+    return ChainTable(match=match, stops=stops, forwards=forwards)
+
+
+def measure_step_cost(target: ModelRunner, draft: ModelRunner, context: Sequence[int], max_k: int,
+                      repeats: int = 5) -> StepCost:
+    """Median forward times after ``context``: the target over ``m = 1 .. max_k + 1`` tokens and the
+    draft over one token, each rolled back after timing (so every one sees the same cache). The sizes
+    are timed round-robin, ``repeats`` rounds, so a slow phase of the machine spreads over all."""
+    if len(context) < max_k + 1:
+        raise QuickdraftError(f"measure_step_cost needs a context of at least max_k + 1 = {max_k + 1} tokens")
+    ctx = torch.tensor([list(context)], dtype=torch.long)
+    for runner in (target, draft):
+        runner.reset(1)
+        runner.forward(ctx, logits_to_keep=1)
+    base = torch.tensor([len(context)])
+
+    def run(runner: ModelRunner, m: int) -> float:
+        t0 = time.perf_counter()
+        runner.forward(ctx[:, -m:], logits_to_keep=m)
+        seconds = time.perf_counter() - t0
+        runner.truncate(base)
+        return seconds
+
+    run(target, 1)
+    run(draft, 1)  # warm-up
+    target_times: list[list[float]] = [[] for _ in range(max_k + 1)]
+    draft_times: list[float] = []
+    for _ in range(repeats):
+        for m in range(1, max_k + 2):
+            target_times[m - 1].append(run(target, m))
+        draft_times.append(run(draft, 1))
+    return StepCost(target=tuple(median(t) for t in target_times), draft=median(draft_times))

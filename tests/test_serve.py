@@ -104,7 +104,7 @@ def _reference(pipe, prompt_ids: list[int], max_tokens: int, method: str = "sd",
     settings = ServeDefaults(method=method, k=k, policy=policy, **spec_kw)
     spec = build_spec(settings, sampling, seed)
     out = pipe.generate([], prompt_ids=[prompt_ids] * n, method=spec.engine_method, policy=spec.policy, rule=spec.rule,
-                        sampling=sampling, max_new_tokens=max_tokens, seed=seed, stop_strings=stop)
+                        sampling=sampling, max_new_tokens=max_tokens, seed=seed, stop_strings=stop, phrase=spec.phrase)
     return [c.text for c in out.completions]
 
 
@@ -133,14 +133,37 @@ def test_runner_rows_join_leave_and_compact(tiny_target):
     assert torch.allclose(again, alone.forward(torch.tensor([[12]])).logits, atol=1e-5)
 
 
-def test_decoder_rows_joining_and_leaving_decode_as_alone(tiny_target, tiny_draft, one_thread):
+def _drafter(method: str, draft_model):
+    """A fresh drafter of ``method`` over its own runner of ``draft_model``."""
+    from quickdraft.decoding.contrastive import ContrastiveDrafter
+    from quickdraft.decoding.phrase import PhraseConfig, PhraseDrafter
+
+    runner = ModelRunner(draft_model)
+    if method == "phrase_sd":
+        return PhraseDrafter(runner, TINY_VOCAB, PhraseConfig(max_phrase=4, max_draft=6))
+    if method in ("cd", "scd"):
+        return ContrastiveDrafter(runner, TINY_VOCAB, drafts=method == "scd")
+    return ModelDrafter(runner, TINY_VOCAB)
+
+
+@pytest.mark.parametrize("method", ["sd", "phrase_sd", "scd"])
+def test_decoder_rows_joining_and_leaving_decode_as_alone(tiny_target, tiny_draft, one_thread, method):
+    """Rows that join a running batch and leave it when done get the tokens of their prompts decoded
+    alone (greedy: sd and phrase_sd give plain greedy decoding, scd greedy contrastive decoding)."""
+    from quickdraft.verification.rules import Contrastive
+
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [3, 4, 5, 3, 4]]
     budgets = [30, 12, 25, 20]
-    alone = [generate(ModelRunner(tiny_target), [p], method="ar", max_new_tokens=m).sequences[0]
-             for p, m in zip(prompts, budgets)]
+    rule = Contrastive(alpha=0.1, beta=0.5, greedy_drafts=True) if method == "scd" else None
+    if method == "scd":  # greedy contrastive decoding of each prompt alone
+        alone = [generate(ModelRunner(tiny_target), [p], method="cd", drafter=_drafter("cd", tiny_draft), rule=rule,
+                          max_new_tokens=m).sequences[0] for p, m in zip(prompts, budgets)]
+    else:
+        alone = [generate(ModelRunner(tiny_target), [p], method="ar", max_new_tokens=m).sequences[0]
+                 for p, m in zip(prompts, budgets)]
     target = ModelRunner(tiny_target)
-    drafter = ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB)
-    dec = Decoder(target, prompts[:2], method="sd", drafter=drafter, policy=Constant(3), max_new_tokens=30)
+    drafter = _drafter(method, tiny_draft)
+    dec = Decoder(target, prompts[:2], method=method, drafter=drafter, rule=rule, policy=Constant(3), max_new_tokens=30)
     dec.max_new_tokens[1] = budgets[1]
     done: dict[int, list[int]] = {}
     owners = [0, 1]
@@ -320,6 +343,10 @@ SETTINGS = [
     {"method": "fsd", "k": 4, "threshold": 0.2, "divergence": "kl", "hybrid": True},
     {"method": "typical", "k": 4, "epsilon": 0.2, "delta": 0.5},
     {"method": "ersd", "k": 4},
+    {"method": "phrase_sd", "k": 3},
+    {"method": "lantern", "k": 4, "lantern_k": 5, "lantern_delta": 0.3},
+    {"method": "cd", "cd_alpha": 0.2, "cd_beta": 0.7},
+    {"method": "scd", "k": 3, "cd_alpha": 0.1, "cd_beta": 0.5},
 ]
 
 
@@ -344,9 +371,13 @@ def test_every_speculation_setting(pipe, head_path, one_thread):
                 kw = {key: v for key, v in spec.items() if key != "method"}
                 expected = _reference(pipe, ids, 24, method=spec["method"], **kw, head=head_path)[0]
                 assert r.choices[0].text == expected, spec
-                if spec["method"] in ("ar", "sd", "ngram", "ngram_sd", "ersd"):  # lossless: the greedy text
+                if spec["method"] in ("ar", "sd", "ngram", "ngram_sd", "ersd", "phrase_sd"):  # lossless: the greedy text
                     assert r.choices[0].text == plain, spec
+                if spec["method"] == "scd":  # greedy scd is greedy contrastive decoding
+                    cd = {key: spec[key] for key in ("cd_alpha", "cd_beta")}
+                    assert r.choices[0].text == _reference(pipe, ids, 24, method="cd", **cd)[0], spec
                 assert qd["settings"]["method"] == spec["method"]
+                assert all(qd["settings"][key] == v for key, v in kw.items()), (spec, qd["settings"])
                 if spec["method"] == "ar":
                     assert qd["drafted_tokens"] == 0 and qd["draft_forwards"] == 0
                 elif spec["method"] != "ngram":
@@ -370,7 +401,12 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server, pipe):
         (url, b"{not json", 400, "malformed JSON"),
         (url, b"[1, 2]", 400, "JSON object"),
         (url, {**ok, "speculative": {"method": "nope"}}, 400, "unknown or unserved method"),
-        (url, {**ok, "speculative": {"method": "tree"}}, 400, "token trees are not served"),
+        (url, {**ok, "speculative": {"method": "tree"}}, 400, "token trees and amusd are not served"),
+        (url, {**ok, "speculative": {"method": "amusd"}}, 400, "token trees and amusd are not served"),
+        (url, {**ok, "speculative": {"method": "lantern", "lantern_delta": 2}}, 400, "speculative.lantern_delta"),
+        (url, {**ok, "speculative": {"method": "lantern", "lantern_k": 10**6}}, 400, "speculative.lantern_k"),
+        (url, {**ok, "speculative": {"method": "cd", "cd_alpha": 1.5}}, 400, "speculative.cd_alpha"),
+        (url, {**ok, "speculative": {"method": "scd", "cd_beta": -1}}, 400, "speculative.cd_beta"),
         (url, {**ok, "speculative": {"method": "fsd", "threshold": -1}}, 400, "speculative.threshold"),
         (url, {**ok, "speculative": {"method": "fsd", "divergence": "cosine"}}, 400, "unknown divergence"),
         (url, {**ok, "speculative": {"k": 0}}, 400, "speculative.k"),
@@ -403,6 +439,25 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server, pipe):
     r = server.client.completions.create(**ok)
     assert r.choices[0].text == _reference(pipe, _ids(pipe, PROMPTS[0]), 8)[0]
     assert server.scheduler.stats()["running_rows"] == 0
+
+
+def test_a_method_the_models_cannot_run_is_a_400(tiny_target, tiny_draft, one_thread):
+    """cd and scd contrast the target with the draft's whole distribution: with a draft whose head
+    was cut to part of the vocabulary they are refused with a 400, and sd is still served."""
+    cut = Pipeline(tiny_target, _tokenizer(), tiny_draft)
+    cut.draft.head_ids = torch.arange(TINY_VOCAB // 2)  # as an openvino draft with a reduced head
+    srv = Server(cut, ServerConfig(model_name=MODEL, max_tokens=8))
+    try:
+        for method in ("cd", "scd"):
+            with pytest.raises(openai.BadRequestError) as info:
+                srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                              extra_body={"speculative": {"method": method}})
+            assert "reduced head" in str(info.value) and info.value.status_code == 400
+        del cut.draft.head_ids
+        r = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
+        assert r.choices[0].finish_reason == "length" and srv.scheduler.stats()["running_rows"] == 0
+    finally:
+        srv.stop()
 
 
 def test_a_failing_batch_fails_only_its_requests(pipe, one_thread):

@@ -218,7 +218,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in /v1/models (default: --target)."),
-    method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, rest, rest_sd, fsd, typical, ersd."),
+    method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, fsd, typical, ersd, "
+                                "lantern, cd, scd."),
     k: int = typer.Option(4, "--k", help="Default draft length."),
     policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp."),
     temperature: float = typer.Option(0.0, help="Default temperature (0 = greedy)."),
@@ -245,6 +246,13 @@ def serve(
     datastore: Optional[str] = typer.Option(
         None, "--datastore", help="rest, rest_sd: what to retrieve drafts from (as for `generate`)."),
     datastore_field: str = typer.Option("text", "--datastore-field", help="rest, rest_sd: the text field of a .jsonl datastore."),
+    lantern_k: int = typer.Option(100, "--lantern-k", help="lantern: latent neighbourhood size k (1 = lossless)."),
+    lantern_delta: float = typer.Option(0.1, "--lantern-delta", help="lantern: total-variation budget delta in [0, 1]."),
+    cd_alpha: float = typer.Option(0.1, "--cd-alpha", help="cd, scd: plausibility cut alpha in [0, 1]."),
+    cd_beta: float = typer.Option(0.5, "--cd-beta", help="cd, scd: weight beta >= 0 of the amateur (draft model)."),
+    phrase_len: int = typer.Option(8, "--phrase-len", help="phrase_sd: most tokens of a pooled phrase."),
+    phrase_pool: int = typer.Option(4096, "--phrase-pool", help="phrase_sd: most phrases each request's pool keeps."),
+    phrase_max_draft: int = typer.Option(16, "--phrase-max-draft", help="phrase_sd: most draft tokens per step."),
     drain_seconds: float = typer.Option(60.0, "--drain-seconds", help="At shutdown, wait this long for running requests."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
 ) -> None:
@@ -261,6 +269,8 @@ def serve(
             method=method, k=k, policy=policy, threshold=threshold, divergence=_divergence_name(divergence), hybrid=hybrid,
             drafts=drafts, epsilon=epsilon, delta=delta, stop_threshold=stop_threshold, head=head,
             fsd_raw=fsd_raw, divergence_top_k=divergence_top_k, divergence_top_p=divergence_top_p,
+            lantern_k=lantern_k, lantern_delta=lantern_delta, cd_alpha=cd_alpha, cd_beta=cd_beta,
+            phrase_len=phrase_len, phrase_pool=phrase_pool, phrase_max_draft=phrase_max_draft,
         )
         sampling = SamplingParams(temperature=temperature, top_k=top_k or None, top_p=top_p)
         spec = build_spec(defaults, sampling, 0)  # a bad default fails here, not at the first request

@@ -304,10 +304,10 @@ class Scheduler:
         method = spec.engine_method
         if draft is None and spec.needs_draft:
             raise QuickdraftError(f"method {key.settings.method!r} needs a draft model; this server has none")
-        drafter = pipe.drafter_for(method, lookup_k=self.lookup_k, draft=draft)
+        drafter = pipe.drafter_for(method, lookup_k=self.lookup_k, draft=draft, phrase=spec.phrase)
         batch = _Batch(key, None)  # type: ignore[arg-type]
         batch.decoder = Decoder(
-            target, [], method=method, drafter=drafter, rule=spec.rule, policy=spec.policy, sampling=key.sampling,
+            target, [], method=method, drafter=drafter, rule=pipe.ready_rule(spec.rule), policy=spec.policy, sampling=key.sampling,
             seed=key.seed, eos_token_ids=self.eos_ids, stop=lambda row, ids: self._stop_cut(batch, row, ids),
         )
         return batch

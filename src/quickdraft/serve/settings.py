@@ -18,9 +18,13 @@ from quickdraft.methods import MethodSpec, build_method
 from quickdraft.decoding.policies import MAX_DRAFT_LENGTH
 from quickdraft.verification.sampling import SamplingParams
 
-#: methods the server runs (token trees, ``tree`` and ERSD with several candidates, need a loop of
-#: their own and are not served; ``rest`` and ``rest_sd`` need the server's ``--datastore``)
-SERVED_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "fsd", "typical", "ersd")
+#: methods the server runs. Not served: token trees (``tree``, ERSD with several candidates), whose
+#: rows cannot join a running batch, and ``amusd``, whose draft thread runs one fixed batch ahead of
+#: the target. ``rest`` and ``rest_sd`` need the server's ``--datastore``.
+SERVED_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "fsd", "typical",
+                                   "ersd", "lantern", "cd", "scd")
+#: the largest LANTERN neighbourhood a request may ask for (each drafted token's row holds k ids)
+MAX_LANTERN_K = 4096
 POLICIES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp")
 
 
@@ -39,6 +43,9 @@ class SpeculativeSettings(BaseModel):
     drafts: ``auto``, ``greedy`` or ``sampled`` (fsd and typical).
     epsilon, delta: typical acceptance's posterior threshold and alpha.
     stop_threshold: ``specdecpp``'s threshold h, ``confidence``'s p_min (in [0, 1]).
+    lantern_k, lantern_delta: ``lantern``'s neighbourhood size (at most :data:`MAX_LANTERN_K`) and
+        total-variation budget in [0, 1].
+    cd_alpha, cd_beta: ``cd`` and ``scd``'s plausibility cut in [0, 1] and amateur weight (>= 0).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -53,6 +60,10 @@ class SpeculativeSettings(BaseModel):
     epsilon: float | None = Field(default=None, gt=0.0, le=1.0)
     delta: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     stop_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    lantern_k: int | None = Field(default=None, ge=1, le=MAX_LANTERN_K)
+    lantern_delta: float | None = Field(default=None, ge=0.0, le=1.0)
+    cd_alpha: float | None = Field(default=None, ge=0.0, le=1.0)
+    cd_beta: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
 
     @field_validator("method")
     @classmethod
@@ -60,7 +71,7 @@ class SpeculativeSettings(BaseModel):
         if value is not None and value not in SERVED_METHODS:
             raise ValueError(
                 f"unknown or unserved method {value!r}; the server runs {', '.join(SERVED_METHODS)} "
-                "(token trees are not served)"
+                "(token trees and amusd are not served)"
             )
         return value
 
@@ -70,7 +81,8 @@ class ServeDefaults:
     """The server's speculation defaults (``quickdraft serve`` options); see :class:`SpeculativeSettings`.
 
     ``head`` is the acceptance head of ``policy="specdecpp"`` (a file on the server; a request can
-    choose the policy but never a path). ``fsd_raw``, ``divergence_top_k`` and ``divergence_top_p`` are server-wide.
+    choose the policy but never a path). ``fsd_raw``, ``divergence_top_k``, ``divergence_top_p`` and
+    ``phrase_sd``'s pool settings (``phrase_len``, ``phrase_pool``, ``phrase_max_draft``) are server-wide.
     """
 
     method: str = "sd"
@@ -87,6 +99,13 @@ class ServeDefaults:
     fsd_raw: bool = True
     divergence_top_k: int = 50
     divergence_top_p: float = 0.9
+    lantern_k: int = 100
+    lantern_delta: float = 0.1
+    cd_alpha: float = 0.1
+    cd_beta: float = 0.5
+    phrase_len: int = 8
+    phrase_pool: int = 4096
+    phrase_max_draft: int = 16
 
     def merged(self, request: SpeculativeSettings | None) -> "ServeDefaults":
         """These defaults with the request's given fields in their place."""
@@ -124,6 +143,9 @@ def build_spec(settings: ServeDefaults, sampling: SamplingParams, seed: int) -> 
         threshold=settings.threshold, hybrid=settings.hybrid, fsd_raw=settings.fsd_raw,
         divergence_top_k=settings.divergence_top_k, divergence_top_p=settings.divergence_top_p, drafts=settings.drafts, epsilon=settings.epsilon,
         delta=settings.delta, seed=seed, head=settings.head, stop_threshold=settings.stop_threshold,
+        lantern_k=settings.lantern_k, lantern_delta=settings.lantern_delta, cd_alpha=settings.cd_alpha,
+        cd_beta=settings.cd_beta, phrase_len=settings.phrase_len, phrase_pool=settings.phrase_pool,
+        phrase_max_draft=settings.phrase_max_draft,
     )
     if spec.engine_method == "tree":  # pragma: no cover - excluded by SERVED_METHODS
         raise QuickdraftError("token-tree methods are not served")

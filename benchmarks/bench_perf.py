@@ -21,7 +21,12 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
   (and ``ngram_sdc``…): at most that many, under the :class:`Confidence` policy (``--p-min``); ``ngram`` /
   ``ngramN``: prompt lookup (no draft model), n-grams of ``--ngram-min`` to 3 tokens; ``ngram_sd`` /
   ``ngram_sdN``: prompt lookup (2-4-grams, ``--lookup-k`` tokens) where it matches, else the draft model;
-  ``phrase_sd`` / ``phrase_sdN``: the draft model's drafts extended from a phrase pool (Ouroboros)
+  ``phrase_sd`` / ``phrase_sdN``: the draft model's drafts extended from a phrase pool (Ouroboros);
+  ``amusd`` / ``amusdN``: the draft model drafts the next block while the target verifies
+  (:mod:`quickdraft.decoding.amusd`); its rows give ``x_<sd config>`` for every sd config of the same weights
+* openvino weights ending in ``:split`` (e.g. ``openvino-int8/int4v49152:split-amusd``): models of their own,
+  compiled with one share of the cores each (:func:`quickdraft.decoding.amusd.split_threads`) instead of all of
+  them; every row records each model's inference seconds and calls (``target_infer_seconds`` …)
 
 ``x_own_ar`` divides by the plain decoding of the same *target* weights (``torch-fp32/int4-sd`` is
 compared with ``torch-fp32-ar``).
@@ -77,13 +82,17 @@ def openvino_weights(label: str) -> tuple[str, int | None]:
 def parse_config(config: str) -> tuple[str, str, int | None]:
     """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8)."""
     key, method = config.rsplit("-", 1)
-    m = re.fullmatch(r"(ar|sd|ngram_sd|ngram|phrase_sd)(c?)(\d*)|anchor", method)
-    if m is None:
+    m = re.fullmatch(r"(ar|sd|ngram_sd|ngram|phrase_sd|amusd)(c?)(\d*)|anchor", method)
+    if m is None or (m.group(1) == "amusd" and m.group(2)):
         raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, sdcN, ngram, ngramN, ngram_sd, ngram_sdN, "
-                         "ngram_sdcN, phrase_sd, phrase_sdN or anchor")
+                         "ngram_sdcN, phrase_sd, phrase_sdN, amusd, amusdN or anchor")
     if method == "anchor":
         return key, "anchor", None
     return key, m.group(1) + m.group(2), int(m.group(3)) if m.group(3) else None
+
+
+#: suffix of openvino weights whose models split the cores between them (amusd runs both at once)
+SPLIT = ":split"
 
 
 def policy_of(method: str, k: int, p_min: float):
@@ -158,22 +167,28 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         return models[role, weights]
 
     pipes = {}
-    runners: dict[tuple[str, str], object] = {}  # (role, weights) -> OpenVINORunner, shared across keys
+    runners: dict[tuple[str, str, int], object] = {}  # (role, weights, threads) -> OpenVINORunner, shared across keys
 
-    def ov_runner(role: str, weights: str):
+    def ov_runner(role: str, weights: str, threads: int):
         from quickdraft.backends.openvino import load_openvino
-        from quickdraft.backends.openvino.runner import yield_cores_to_openvino
 
-        if (role, weights) not in runners:
+        if (role, weights, threads) not in runners:
             weight_format, draft_vocab = openvino_weights(weights)
-            runners[role, weights] = load_openvino(role, role, weight_format=weight_format, draft_vocab=draft_vocab,
-                                                   n_threads=yield_cores_to_openvino())
-        return runners[role, weights]
+            runners[role, weights, threads] = load_openvino(role, role, weight_format=weight_format,
+                                                            draft_vocab=draft_vocab, n_threads=threads)
+        return runners[role, weights, threads]
 
-    for weights in sorted({c.split("-")[1] for c in configs if c.startswith("openvino-")}):
+    from quickdraft.decoding.amusd import split_threads
+    from quickdraft.backends.openvino.runner import yield_cores_to_openvino
+
+    for key in sorted({parse_config(c)[0] for c in configs if c.startswith("openvino-")}):
+        weights = key.split("-", 1)[1].removesuffix(SPLIT)
+        cores = yield_cores_to_openvino()
+        target_t, draft_t = split_threads(cores) if key.endswith(SPLIT) else (cores, cores)
         target_w, _, draft_w = weights.partition("/")
-        (target, tok), (draft, _) = ov_runner("target", target_w), ov_runner("draft", draft_w or target_w)
-        pipes[f"openvino-{weights}"] = Pipeline(target.model, tok, draft.model, target_runner=target, draft_runner=draft)
+        target, tok = ov_runner("target", target_w, target_t)
+        draft, _ = ov_runner("draft", draft_w or target_w, draft_t)
+        pipes[key] = Pipeline(target.model, tok, draft.model, target_runner=target, draft_runner=draft)
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("ovgenai-")}):
         pipes[f"ovgenai-{weights}"] = genai_pipelines(weights, any("-sd" in c for c in configs if c.startswith("ovgenai-")))
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("torch-")}):
@@ -306,11 +321,18 @@ def run(args: argparse.Namespace) -> dict:
             return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
         runners = [r for r in (pipe.target, pipe.draft) if hasattr(r, "infer_seconds")]
         infer_before = sum(r.infer_seconds for r in runners)
+        calls = {r.name: [] for r in runners}  # each model's inference calls, in ms, prefill first
+        for r in runners:
+            r._infer = _timed(r._infer, calls[r.name])
         policy = policy_of(method, k or args.k, args.p_min)
         method = method.removesuffix("c")
-        out = pipe.generate([""], prompt_ids=[ids], method=method, policy=policy, sampling=sampling,
-                            max_new_tokens=max_new, seed=seed,
-                            ngram=(args.ngram_min, 3) if method == "ngram" else None, lookup_k=args.lookup_k)
+        try:
+            out = pipe.generate([""], prompt_ids=[ids], method=method, policy=policy, sampling=sampling,
+                                max_new_tokens=max_new, seed=seed,
+                                ngram=(args.ngram_min, 3) if method == "ngram" else None, lookup_k=args.lookup_k)
+        finally:
+            for r in runners:
+                del r._infer  # the class's method again
         m = out.metrics
         extra = {}
         if runners:  # the engine's share: everything but the runtime's inference calls
@@ -318,11 +340,14 @@ def run(args: argparse.Namespace) -> dict:
             total = m.prefill_seconds + m.decode_seconds
             extra = {"runtime_seconds": infer, "engine_seconds": total - infer,
                      "engine_share": (total - infer) / total, "steps": max(1, m.target_forwards - 1)}
+            for name, ms in calls.items():  # each model's inference calls: the first is its prefill
+                extra[f"{name}_infer_ms"] = [round(x, 2) for x in ms]
         return {**extra,
             "new_tokens": m.new_tokens, "seconds": m.prefill_seconds + m.decode_seconds,
             "decode_seconds": m.decode_seconds, "mean_acceptance_length": m.mean_acceptance_length,
             "target_forwards": m.target_forwards, "draft_forwards": m.draft_forwards,
-            "new_ids": out.completions[0].token_ids,
+            "steps_verified": m.steps, "drafted_tokens": m.drafted_tokens, "accepted_tokens": m.accepted_tokens,
+            "emitted_tokens": m.emitted_tokens, "new_ids": out.completions[0].token_ids,
         }
 
     for config in args.configs:  # warm-up
@@ -401,7 +426,19 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                 entry["engine_ms_per_step"] = 1000 * sum(r["engine_seconds"] for r in sel) / sum(r["steps"] for r in sel)
             for other in genai_sd:  # OpenVINO GenAI's own speculative decoding, the bar to beat
                 entry[f"x_{other}"] = entry["tokens_per_second"] / tps(other)
-            if parse_config(config)[1].removesuffix("c") in ("sd", "ngram", "ngram_sd"):
+            key, method, _ = parse_config(config)
+            if method == "amusd":  # against sequential sd on the same weights
+                for other in configs:
+                    if parse_config(other)[0].removesuffix(SPLIT) == key.removesuffix(SPLIT) and parse_config(other)[1] == "sd":
+                        entry[f"x_{other}"] = entry["tokens_per_second"] / tps(other)
+                if all("emitted_tokens" in r for r in sel):  # steps that deferred their bonus: blocks accepted whole
+                    steps = sum(r["steps_verified"] for r in sel)
+                    entry["deferred_share"] = (steps - sum(r["emitted_tokens"] - r["accepted_tokens"] for r in sel)) / steps
+            for name in ("target", "draft"):  # a decoding call's median (prefills left out)
+                decode = [ms for r in sel for ms in r.get(f"{name}_infer_ms", [])[1:]]
+                if decode:
+                    entry[f"{name}_ms_per_call"] = float(np.median(decode))
+            if method.removesuffix("c") in ("sd", "ngram", "ngram_sd", "amusd"):
                 ar = own_ar(config)
                 if ar in configs:
                     entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)
@@ -414,6 +451,17 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                     entry["identical_to_own_ar"] = f"{sum(r['new_ids'] == own[r['prompt']] for r in sel)}/{len(sel)}"
             summary[f"{config}@{dataset}@T={temperature}" if dataset else f"{config}@T={temperature}"] = entry
     return summary
+
+
+def _timed(infer, log: list):
+    """``infer`` that appends each call's milliseconds to ``log`` (the draft thread's calls too)."""
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            log.append(1000 * (time.perf_counter() - start))
+    return timed
 
 
 def _lscpu() -> dict:

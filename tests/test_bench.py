@@ -220,6 +220,33 @@ def test_resume_refuses_a_different_setting(pipe, tmp_path):
         run_bench(wrapped, prompts, other, tmp_path, progress=False, log=lambda m: None)
 
 
+def test_top_p_and_top_k_reach_every_sampled_cell(pipe, tmp_path):
+    """``top_k = 1`` at T = 1 leaves one token to sample: the cells equal greedy decoding, which they
+    do not without it; a run directory refuses to resume with other top-p / top-k settings."""
+    wrapped = _raw_ids_pipe(pipe)
+    prompts = _prompts(2)
+    kw = dict(entries=parse_entries("ar,sd:k=3"), max_new_tokens=10, warmup_tokens=0, fidelity=False)
+
+    def texts(config, out):
+        run_bench(wrapped, prompts, config, out, progress=False, log=lambda m: None)
+        return {(r["method"], r["prompt_id"], r["temperature"]): r["token_ids"] for r in load_records(out)}
+
+    greedy = texts(BenchConfig(temperatures=[0.0], **kw), tmp_path / "greedy")
+    top1 = texts(BenchConfig(temperatures=[1.0], top_k=1, **kw), tmp_path / "top1")
+    sampled = texts(BenchConfig(temperatures=[1.0], **kw), tmp_path / "sampled")
+    assert {key[:2]: ids for key, ids in top1.items()} == {key[:2]: ids for key, ids in greedy.items()}
+    assert {key[:2]: ids for key, ids in sampled.items()} != {key[:2]: ids for key, ids in greedy.items()}
+    run = json.loads((tmp_path / "top1" / "run.json").read_text())
+    assert run["config"]["top_k"] == 1 and run["config"]["top_p"] == 1.0
+    with pytest.raises(QuickdraftError, match="top_k=1"):
+        run_bench(wrapped, prompts, BenchConfig(temperatures=[1.0], top_k=2, **kw), tmp_path / "top1",
+                  progress=False, log=lambda m: None)
+    with pytest.raises(QuickdraftError, match="top_k must be"):
+        BenchConfig(temperatures=[1.0], top_k=-1, **kw)
+    with pytest.raises(QuickdraftError, match="top_p"):
+        BenchConfig(temperatures=[1.0], top_p=1.5, **kw)
+
+
 def test_fidelity_is_the_target_log_likelihood(tiny_target):
     prompt, new = [1, 2, 3], [4, 5]
     fid = target_fidelity(tiny_target, prompt, new)

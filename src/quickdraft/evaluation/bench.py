@@ -262,6 +262,9 @@ class BenchConfig:
         The first ``limit`` prompts of the dataset in file order (``None``: all).
     temperatures:
         Sampling temperatures; every entry runs at each (0 = greedy).
+    top_p, top_k:
+        Nucleus mass and top-k (0: off) of every sampled cell (FSD's paper samples at T = 0.6 with
+        top-p 0.9 and top-k 50); greedy cells ignore them.
     seed:
         Base seed; every entry generates prompt ``id`` with seed ``prompt_seed(seed, id)``
         (:func:`prompt_seed`), so no two prompts share random draws or race noise.
@@ -284,6 +287,8 @@ class BenchConfig:
     dataset: str = "humaneval"
     limit: Optional[int] = 4
     temperatures: list[float] = field(default_factory=lambda: [0.0])
+    top_p: float = 1.0
+    top_k: int = 0
     seed: int = 0
     max_new_tokens: int = 128
     baseline: Optional[str] = None
@@ -300,11 +305,17 @@ class BenchConfig:
             raise QuickdraftError(f"unknown dataset {self.dataset!r}; choose humaneval or mtbench")
         if self.max_new_tokens < 1:
             raise QuickdraftError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise QuickdraftError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
         for t in self.temperatures:
-            SamplingParams(temperature=t)  # validates
+            self.sampling(t)  # validates
         labels = [e.label for e in self.entries]
         if self.baseline is not None and self.baseline not in labels:
             raise QuickdraftError(f"baseline {self.baseline!r} is not among the methods ({', '.join(labels)})")
+
+    def sampling(self, temperature: float) -> SamplingParams:
+        """The sampling parameters of a cell at ``temperature``."""
+        return SamplingParams(temperature=temperature, top_p=self.top_p, top_k=self.top_k or None)
 
     @property
     def baseline_label(self) -> str | None:
@@ -333,7 +344,8 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as err:
         raise QuickdraftError(f"config {p} is not valid TOML: {err}") from None
     known = {
-        "title", "description", "dataset", "limit", "temperature", "temperatures", "seed", "max_new_tokens",
+        "title", "description", "dataset", "limit", "temperature", "temperatures", "top_p", "top_k", "seed",
+        "max_new_tokens",
         "methods", "anchors", "sweep", "baseline", "warmup_tokens", "fidelity", "sandbox_workers",
         "target", "draft", "dtype", "draft_dtype", "threads", "backend", "quantize", "quantize_draft",
         "datastore", "datastore_field",
@@ -719,10 +731,12 @@ def expand_datastore(spec: str) -> str:
 
 def _check_same_run(existing: dict[str, Any], config: BenchConfig, models: dict[str, Any]) -> None:
     old = existing.get("config", {})
-    for key in ("dataset", "seed", "max_new_tokens"):
-        if key in old and old[key] != getattr(config, key):
+    defaults = {"top_p": 1.0, "top_k": 0}  # a run recorded before these settings existed used them
+    for key in ("dataset", "seed", "max_new_tokens", "top_p", "top_k"):
+        if old and (key in old or key in defaults) and old.get(key, defaults.get(key)) != getattr(config, key):
             raise QuickdraftError(
-                f"the output directory holds a run with {key}={old[key]!r}, not {getattr(config, key)!r}; "
+                f"the output directory holds a run with {key}={old.get(key, defaults.get(key))!r}, not "
+                f"{getattr(config, key)!r}; "
                 "use another --out (cached cells would not be comparable)"
             )
     if existing.get("models") and existing["models"] != models:
@@ -818,7 +832,7 @@ def run_bench(
     # 2. warm-up: every entry once, short, untimed
     if todo and config.warmup_tokens > 0:
         for e in entries:
-            runner.run(e, prompt_ids[0], SamplingParams(temperature=config.temperatures[0]),
+            runner.run(e, prompt_ids[0], config.sampling(config.temperatures[0]),
                        prompt_seed(config.seed, prompts[0].id),
                        min(config.warmup_tokens, config.max_new_tokens))
 
@@ -831,7 +845,7 @@ def run_bench(
         bar.set_postfix_str(f"T={cell.temperature:g} {prompt.id} {cell.entry.label}", refresh=False)
         seed = prompt_seed(config.seed, prompt.id)
         started = _now()
-        measured = runner.run(cell.entry, prompt_ids[cell.prompt_index], SamplingParams(temperature=cell.temperature),
+        measured = runner.run(cell.entry, prompt_ids[cell.prompt_index], config.sampling(cell.temperature),
                               seed, config.max_new_tokens)
         order = [c.entry.label for c in cells if c.temperature == cell.temperature and c.prompt_index == cell.prompt_index]
         record = {
@@ -934,6 +948,8 @@ def bench_command(
     dataset: Optional[str] = typer.Option(None, help="humaneval or mtbench (default humaneval)."),
     limit: Optional[int] = typer.Option(None, help="First N prompts of the dataset (default 4)."),
     temperature: Optional[list[float]] = typer.Option(None, "--temperature", help="Repeatable; default 0."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Top-p of sampled cells (default 1: off)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k of sampled cells (default 0: off)."),
     seed: Optional[int] = typer.Option(None, help="Base seed (default 0); each prompt uses a hash of it and the prompt id."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Default 128."),
     out: str = typer.Option(..., "--out", help="Run directory (cells cached there: rerun to resume)."),
@@ -975,6 +991,7 @@ def bench_command(
         }
         cli = {
             "dataset": dataset, "limit": limit, "temperatures": list(temperature) if temperature else None,
+            "top_p": top_p, "top_k": top_k,
             "seed": seed, "max_new_tokens": max_new_tokens, "baseline": baseline, "warmup_tokens": warmup_tokens,
             "sandbox_workers": sandbox_workers,
         }

@@ -476,7 +476,8 @@ def readme_section(run_dirs: list[Path], readme: Path) -> str:
         parts.append(
             f"{config.get('dataset')} · {len(prompts)} prompts ({prompts[0] if prompts else ''} … "
             f"{prompts[-1] if prompts else ''}) · {config.get('max_new_tokens')} new tokens · temperatures "
-            f"{', '.join(f'{t:g}' for t in config.get('temperatures', []))} · seed {config.get('seed')} · models "
+            f"{', '.join(f'{t:g}' for t in config.get('temperatures', []))}{_truncation_note(config)} · "
+            f"seed {config.get('seed')} · models "
             f"{meta.get('models', {}).get('target')} / {meta.get('models', {}).get('draft')} "
             f"({_weights_note(meta.get('models', {}))}) · model load {', '.join(f'{x:.1f}' for x in loads)} s · "
             f"raw results: [`{rel}`]({rel})"
@@ -513,6 +514,16 @@ def update_readme(readme: str | os.PathLike[str], run_dirs: list[str | os.PathLi
     text = pattern.sub(lambda _: f"{README_START}\n{section}{README_END}", text, count=1)
     readme.write_text(text, encoding="utf-8")
     return section
+
+
+def _truncation_note(config: dict) -> str:
+    """`` (top-p 0.9, top-k 50)`` for a run that truncated its sampled cells, else ``""``."""
+    parts = []
+    if config.get("top_p", 1.0) < 1.0:
+        parts.append(f"top-p {config['top_p']:g}")
+    if config.get("top_k", 0):
+        parts.append(f"top-k {config['top_k']}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _weights_note(models: dict) -> str:

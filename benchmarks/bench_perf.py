@@ -335,11 +335,12 @@ def run(args: argparse.Namespace) -> dict:
                 del r._infer  # the class's method again
         m = out.metrics
         extra = {}
-        if runners:  # the engine's share: everything but the runtime's inference calls
-            infer = sum(r.infer_seconds for r in runners) - infer_before
+        if runners and method != "amusd":  # the engine's share: everything but the runtime's inference calls
+            infer = sum(r.infer_seconds for r in runners) - infer_before  # (amusd's two models infer at once)
             total = m.prefill_seconds + m.decode_seconds
             extra = {"runtime_seconds": infer, "engine_seconds": total - infer,
                      "engine_share": (total - infer) / total, "steps": max(1, m.target_forwards - 1)}
+        if runners:
             for name, ms in calls.items():  # each model's inference calls: the first is its prefill
                 extra[f"{name}_infer_ms"] = [round(x, 2) for x in ms]
         return {**extra,

@@ -73,9 +73,10 @@ WEIGHTS = {
 
 def openvino_weights(label: str) -> tuple[str, int | None]:
     """``"int4v49152"`` -> (NNCF weight format ``"int4"``, draft vocabulary 49152); ``"int8"`` -> (``"int8"``, None)."""
-    m = re.fullmatch(r"(int8|int4|none)(?:v(\d+))?", label)
+    m = re.fullmatch(r"(int8|int4all|int4|none)(?:v(\d+))?", label)
     if m is None:
-        raise SystemExit(f"unknown OpenVINO weights {label!r}: int8, int4 or none, optionally with vN (a draft vocabulary)")
+        raise SystemExit(f"unknown OpenVINO weights {label!r}: int8, int4, int4all or none, optionally with vN "
+                         "(a draft vocabulary)")
     return m.group(1), int(m.group(2)) if m.group(2) else None
 
 

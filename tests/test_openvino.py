@@ -303,6 +303,46 @@ def test_int4_export_is_symmetric_and_a_stale_manifest_is_rebuilt(tmp_path):
     assert is_exported(i8)
 
 
+def test_int4all_compresses_the_head_and_embedding_too(tmp_path):
+    """``int4`` keeps the output head and the embedding in 8 bits (NNCF's backup), ``int4all`` puts
+    them in int4 as well: no 8-bit weight is left, the settings are recorded, and the logits stay
+    close to float32's. The torch backend refuses the format by name."""
+    import json
+    from collections import Counter
+
+    import openvino as ov
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from quickdraft.backends.openvino.export import COMPRESSION, EXPORT_MANIFEST, MODEL_XML
+
+    torch.manual_seed(3)
+    config = Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    hf = _save(Qwen2ForCausalLM(config).eval(), tmp_path / "hf")
+
+    def weight_types(out):
+        return Counter(op.get_output_element_type(0).get_type_name()
+                       for op in ov.Core().read_model(out / MODEL_XML).get_ops() if op.get_type_name() == "Constant")
+
+    int4, int4all = export(hf, tmp_path / "i4", "int4", progress=False), export(hf, tmp_path / "i4all", "int4all", progress=False)
+    plain, every = weight_types(int4), weight_types(int4all)
+    assert plain["u8"] == 4 and plain["i4"] == 14  # head and embedding: 8-bit weights and zero points
+    assert every["u8"] == 0 and every["i4"] == 16
+    assert json.loads((int4all / EXPORT_MANIFEST).read_text())["compression"] == COMPRESSION["int4all"]
+    assert is_exported(int4all) and is_exported(int4)
+    f32, i4all = _runner(export(hf, tmp_path / "f32", "none", progress=False)), _runner(int4all)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    f32.reset(1)
+    i4all.reset(1)
+    a, b = f32.forward(ids).logits, i4all.forward(ids).logits
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9  # the same function, coarser
+    from quickdraft.pipeline import Pipeline
+
+    with pytest.raises(QuickdraftError, match="'int4all' is a weight format of the openvino backend, not torch"):
+        Pipeline.from_specs(str(hf), None, backend="torch", quantize="int4all")
+
+
 def test_openvino_genai_anchor_agrees_with_our_engine(ov_models, tmp_path, tiny_target, tiny_draft):
     """OpenVINO GenAI (the benchmark's anchor) on GenAI-layout exports of the same float32 weights:
     its plain greedy output and its speculative greedy output equal our engine's plain greedy

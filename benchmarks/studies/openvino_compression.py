@@ -9,6 +9,11 @@ every variant runs a 200-token prefill and then forwards over m = 1, 5, 9 new to
 through the variants ``--repeats`` times; the JSON holds every sample and the medians.
 
     python benchmarks/studies/openvino_compression.py --out benchmarks/results/openvino_compression.json
+
+The int4 head (``int4_sym_g128_all``: the output head in int4 too) against the default int4 target:
+
+    python benchmarks/studies/openvino_compression.py --roles target --variants int4_sym_g128 \
+        int4_sym_g128_all --repeats 8 --out benchmarks/results/openvino_compression_head.json
 """
 
 from __future__ import annotations
@@ -18,17 +23,21 @@ import gc
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-#: (label, NNCF mode, group size) of the weight variants; group size -1: one group per output row
+#: (label, NNCF mode, group size, all layers) of the weight variants; group size -1: one group per
+#: output row; all layers: the embedding and the output head in the int4 mode too (NNCF keeps them
+#: int8 otherwise; the head is about a seventh of the target's weights and read at every forward)
 VARIANTS = (
-    ("int8_asym", "int8_asym", -1),
-    ("int4_asym_g128", "int4_asym", 128),
-    ("int4_sym_g128", "int4_sym", 128),
-    ("int4_sym_row", "int4_sym", -1),
+    ("int8_asym", "int8_asym", -1, False),
+    ("int4_asym_g128", "int4_asym", 128, False),
+    ("int4_sym_g128", "int4_sym", 128, False),
+    ("int4_sym_row", "int4_sym", -1, False),
+    ("int4_sym_g128_all", "int4_sym", 128, True),
 )
 BLOCKS = (1, 5, 9)
 
@@ -41,8 +50,9 @@ def _lscpu() -> dict:
             "isa": sorted(f for f in flags if f.startswith(("avx", "amx")))}
 
 
-def make_variants(role: str, work: Path, draft_vocab: int | None) -> dict[str, Path]:
-    """The compressed variants of ``role``'s model, each compressed once from one float32 trace."""
+def make_variants(role: str, work: Path, draft_vocab: int | None, only: list[str] | None = None) -> dict[str, Path]:
+    """The compressed variants of ``role``'s model (those labelled in ``only``, default all), each
+    compressed once from one float32 trace."""
     import nncf
     import openvino as ov
 
@@ -54,13 +64,15 @@ def make_variants(role: str, work: Path, draft_vocab: int | None) -> dict[str, P
     if not (fp32 / MODEL_XML).is_file():
         export(resolve(role), fp32, "none", draft_vocab=draft_vocab)
     out = {}
-    for label, mode, group in VARIANTS:
+    for label, mode, group, all_layers in VARIANTS:
+        if only and label not in only:
+            continue
         path = root / label
         if not (path / MODEL_XML).is_file():
             model = ov.Core().read_model(fp32 / MODEL_XML)
             kwargs = {"mode": getattr(nncf.CompressWeightsMode, mode.upper())}
             if mode.startswith("int4"):
-                kwargs.update(group_size=group, ratio=1.0)
+                kwargs.update(group_size=group, ratio=1.0, all_layers=all_layers)
             model = nncf.compress_weights(model, **kwargs)
             tmp = path.with_name(path.name + ".partial")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -122,18 +134,23 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=49152, help="the draft's head (0: full vocabulary)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS],
+                        help="only these weight variants (default: all)")
+    parser.add_argument("--roles", nargs="+", choices=["target", "draft"], default=["target", "draft"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     work = Path(args.work)
     models = {}
     for role, vocab in (("target", None), ("draft", args.draft_vocab or None)):
-        for label, path in make_variants(role, work, vocab).items():
+        if role not in args.roles:
+            continue
+        for label, path in make_variants(role, work, vocab, args.variants).items():
             models[f"{role}/{label}"] = (path, {})
             if role == "draft" or label == "int8_asym":  # a draft's forwards hold one token
                 models[f"{role}/{label}/dq-off"] = (path, {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
     result = {
-        "command": "python benchmarks/studies/openvino_compression.py --out " + args.out,
+        "command": "python " + " ".join(sys.argv),
         "machine": {**_lscpu(), "threads": args.threads},
         "draft_vocab": args.draft_vocab,
         "forward": measure(models, args.threads, args.repeats),

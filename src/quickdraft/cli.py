@@ -72,7 +72,8 @@ def generate(
         "(runs the GGUF files; needs quickdraft[llamacpp])."),
     quantize: str = typer.Option(
         "auto", help="Weights: auto (torch: as loaded; openvino: int8), none, int8 or int4 (torch: weight-only "
-        "linear layers; openvino: NNCF weight compression)."),
+        "linear layers; openvino: NNCF weight compression, the head kept int8), openvino also int4all (the head "
+        "and embedding in int4 too)."),
     quantize_draft: Optional[str] = typer.Option(
         None, help="Override --quantize for the draft alone (e.g. int4: lossless methods stay exact). Default: "
         "as --quantize; with --quantize auto on openvino, int4 with a 49,152-id head (see --draft-vocab)."),
@@ -211,7 +212,7 @@ def serve(
         "torch", help="torch (continuous batching); openvino (one batch at a time); llamacpp (one request at a time)."),
     dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
-    quantize: str = typer.Option("auto", help="Weights: auto, none, int8 or int4 (as for `generate`)."),
+    quantize: str = typer.Option("auto", help="Weights: auto, none, int8, int4 or int4all (as for `generate`)."),
     quantize_draft: Optional[str] = typer.Option(None, help="Override --quantize for the draft alone."),
     draft_vocab: Optional[int] = typer.Option(
         None, "--draft-vocab", help="openvino: the draft's head keeps only this many token ids (as for `generate`)."),

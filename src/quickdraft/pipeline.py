@@ -52,6 +52,8 @@ class PipelineOutput:
 #: weights and a head over the 49,152 most frequent token ids (docs/openvino.md: a draft forward
 #: costs about half the int8 one's; every lossless method stays exact)
 OPENVINO_DRAFT_QUANTIZE = "int4"
+#: weight formats only the openvino backend has (``int4all``: int4 with the head and embedding in int4)
+OPENVINO_ONLY_FORMATS: tuple[str, ...] = ("int4all",)
 OPENVINO_DRAFT_VOCAB = 49152
 
 
@@ -141,9 +143,12 @@ class Pipeline:
         default_draft = backend == "openvino" and quantize == "auto" and quantize_draft is None
         if quantize_draft is None:
             quantize_draft = OPENVINO_DRAFT_QUANTIZE if default_draft else quantize
+        names = QUANTIZE_NAMES + (OPENVINO_ONLY_FORMATS if backend == "openvino" else ())
         for what, name in (("quantize", quantize), ("quantize_draft", quantize_draft)):
-            if name != "auto" and name not in QUANTIZE_NAMES:
-                raise QuickdraftError(f"unknown {what} {name!r}; choose one of auto, {', '.join(QUANTIZE_NAMES)}")
+            if name in OPENVINO_ONLY_FORMATS and backend != "openvino":
+                raise QuickdraftError(f"{what} {name!r} is a weight format of the openvino backend, not {backend}")
+            if name != "auto" and name not in names:
+                raise QuickdraftError(f"unknown {what} {name!r}; choose one of auto, {', '.join(names)}")
         quantize = resolve_quantize(backend, quantize)
         quantize_draft = resolve_quantize(backend, quantize_draft)
         if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 0):

@@ -964,7 +964,7 @@ def bench_command(
         None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
     backend: Optional[str] = typer.Option(None, help="auto, torch, openvino or llamacpp (as for `generate`; default auto)."),
-    quantize: Optional[str] = typer.Option(None, help="auto, none, int8 or int4 (as for `generate`)."),
+    quantize: Optional[str] = typer.Option(None, help="auto, none, int8, int4 or int4all (as for `generate`)."),
     quantize_draft: Optional[str] = typer.Option(
         None, "--quantize-draft", help="Override --quantize for the draft alone (int4: lossless methods stay exact)."),
     warmup_tokens: Optional[int] = typer.Option(None, "--warmup-tokens", help="Default 8; 0 disables warm-up."),

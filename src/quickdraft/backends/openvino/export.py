@@ -45,8 +45,8 @@ from typing import Literal
 
 from quickdraft.errors import QuickdraftError
 
-WeightFormat = Literal["int8", "int4", "none"]
-WEIGHT_FORMATS: tuple[str, ...] = ("int8", "int4", "none")
+WeightFormat = Literal["int8", "int4", "int4all", "none"]
+WEIGHT_FORMATS: tuple[str, ...] = ("int8", "int4", "int4all", "none")
 
 #: file names inside an exported directory
 MODEL_XML = "openvino_model.xml"
@@ -284,13 +284,17 @@ COMPRESSION = {
     "int8": {"mode": "int8_asym", "group_size": -1},
     # a layer narrower than a group (small test models) gets a smaller group instead of an error
     "int4": {"mode": "int4_sym", "group_size": 128, "group_size_fallback": "adjust"},
+    # int4 for every layer: the output head (read at every forward: a seventh of the 1.5B target's
+    # weights) and the embedding too, which ``int4`` keeps int8 (docs/openvino.md#weight-compression)
+    "int4all": {"mode": "int4_sym", "group_size": 128, "group_size_fallback": "adjust", "all_layers": True},
     "none": None,
 }
 
 
 def compress(ov_model, weight_format: str):
     """NNCF weight compression of ``ov_model`` (:data:`COMPRESSION`): ``int8`` (asymmetric, per output
-    channel), ``int4`` (symmetric, groups of 128, the embedding and head kept int8), or ``none``."""
+    channel), ``int4`` (symmetric, groups of 128, the embedding and head kept int8), ``int4all``
+    (``int4`` with the embedding and head in int4 too), or ``none``."""
     _check_format(weight_format)
     settings = COMPRESSION[weight_format]
     if settings is None:
@@ -304,6 +308,7 @@ def compress(ov_model, weight_format: str):
 
     fallback = nncf.GroupSizeFallbackMode(settings["group_size_fallback"])
     return nncf.compress_weights(ov_model, mode=mode, group_size=settings["group_size"], ratio=1.0,
+                                 all_layers=settings.get("all_layers", False),
                                  advanced_parameters=AdvancedCompressionParameters(group_size_fallback_mode=fallback))
 
 

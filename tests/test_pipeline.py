@@ -108,3 +108,41 @@ def test_a_tiny_positive_temperature_decodes_greedily(pipe):
         out = pipe.generate(["w1 w2"], method="sd", sampling=SamplingParams(temperature=t), seed=3,
                             max_new_tokens=12, chat=False)
         assert out.completions[0].token_ids == greedy.completions[0].token_ids
+
+
+def test_rules_that_read_the_whole_draft_distribution_refuse_a_cut_draft_head(tiny_target, tiny_draft, tokenizer):
+    """A draft head cut to part of the vocabulary (the openvino backend's --draft-vocab) gives the
+    other tokens probability 0: FSD's js (and kl_reverse) are then infinite and would reject every
+    draft, and contrastive decoding reads log q of every token. Such a rule is refused by name with
+    the fix; a divergence that stays finite runs; the CLI loads the full head for them by default."""
+    import torch
+
+    from quickdraft.cli import full_head_unless_given
+    from quickdraft.verification import divergences
+    from quickdraft.verification.rules import Contrastive, Fuzzy, Lossless
+
+    p = torch.softmax(torch.randn(2, TINY_VOCAB), -1)
+    q_cut = torch.softmax(torch.randn(2, TINY_VOCAB), -1)
+    q_cut[:, TINY_VOCAB // 2:] = 0
+    q_cut /= q_cut.sum(-1, keepdim=True)
+    assert torch.isinf(divergences.js(p, q_cut)).all() and torch.isinf(divergences.kl_reverse(p, q_cut)).all()
+    assert torch.isfinite(divergences.jsd(p, q_cut)).all() and torch.isfinite(divergences.kl(p, q_cut)).all()
+
+    needs = {d: Fuzzy(divergence=d, threshold=0.4).needs_full_draft
+             for d in ("js", "kl_reverse", "topk_js", "topp_kl_reverse", "jsd", "kl", "tv", "topk_tv")}
+    assert needs == {"js": True, "kl_reverse": True, "topk_js": True, "topp_kl_reverse": True,
+                     "jsd": False, "kl": False, "tv": False, "topk_tv": False}
+    assert not Fuzzy(divergence="js", threshold=0).needs_full_draft  # accepts nothing fuzzily: no divergence
+    assert Contrastive().needs_full_draft and not Lossless().needs_full_draft
+
+    cut = Pipeline(tiny_target, tokenizer, tiny_draft)
+    cut.draft.head_ids = torch.arange(TINY_VOCAB // 2)
+    with pytest.raises(QuickdraftError, match="divergence is infinite.*--draft-vocab 0.*jsd, kl, tv"):
+        cut.generate(["w1 w2"], method="sd", rule=Fuzzy(divergence="js", threshold=0.4), max_new_tokens=4)
+    with pytest.raises(QuickdraftError, match="whole distribution.*--draft-vocab 0"):
+        cut.generate(["w1 w2"], method="scd", rule=Contrastive(), max_new_tokens=4)
+    out = cut.generate(["w1 w2"], method="sd", rule=Fuzzy(divergence="jsd", threshold=0.4), max_new_tokens=4)
+    assert len(out.completions[0].token_ids) == 4
+    assert full_head_unless_given(None, Fuzzy(divergence="js")) == 0
+    assert full_head_unless_given(None, Fuzzy(divergence="jsd")) is None
+    assert full_head_unless_given(49152, Fuzzy(divergence="js")) == 49152  # the user's choice stands

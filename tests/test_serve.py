@@ -442,17 +442,20 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server, pipe):
 
 
 def test_a_method_the_models_cannot_run_is_a_400(tiny_target, tiny_draft, one_thread):
-    """cd and scd contrast the target with the draft's whole distribution: with a draft whose head
-    was cut to part of the vocabulary they are refused with a 400, and sd is still served."""
+    """cd, scd and FSD's js read the draft's whole distribution: with a draft whose head was cut
+    to part of the vocabulary they are refused with a 400; FSD with jsd and sd are still served."""
     cut = Pipeline(tiny_target, _tokenizer(), tiny_draft)
     cut.draft.head_ids = torch.arange(TINY_VOCAB // 2)  # as an openvino draft with a reduced head
     srv = Server(cut, ServerConfig(model_name=MODEL, max_tokens=8))
     try:
-        for method in ("cd", "scd"):
+        for spec in ({"method": "cd"}, {"method": "scd"}, {"method": "fsd", "divergence": "js"}):
             with pytest.raises(openai.BadRequestError) as info:
                 srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
-                                              extra_body={"speculative": {"method": method}})
-            assert "reduced head" in str(info.value) and info.value.status_code == 400
+                                              extra_body={"speculative": spec})
+            assert "--draft-vocab 0" in str(info.value) and info.value.status_code == 400
+        r = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,  # a finite divergence
+                                          extra_body={"speculative": {"method": "fsd", "divergence": "jsd"}})
+        assert r.choices[0].finish_reason == "length"
         del cut.draft.head_ids
         r = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
         assert r.choices[0].finish_reason == "length" and srv.scheduler.stats()["running_rows"] == 0

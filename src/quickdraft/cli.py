@@ -50,6 +50,14 @@ def _divergence_name(divergence: str) -> str:
     return divergence
 
 
+
+def full_head_unless_given(draft_vocab: int | None, rule) -> int | None:
+    """``--draft-vocab`` as given; unset, ``0`` (the draft's full head) for a rule that reads the
+    draft's probability of every token (FSD's ``js``, contrastive decoding), else the backend's preset."""
+    if draft_vocab is None and getattr(rule, "needs_full_draft", False):
+        return 0
+    return draft_vocab
+
 @app.command()
 def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts (several run as one batch)."),
@@ -171,7 +179,7 @@ def generate(
         pipe = Pipeline.from_specs(
             target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
             quantize_draft=quantize_draft, draft_dtype=draft_dtype, exact=exact,
-            draft_vocab=draft_vocab if spec.needs_draft else None, threads=threads,
+            draft_vocab=full_head_unless_given(draft_vocab, spec.rule) if spec.needs_draft else None, threads=threads,
         )
         if datastore is not None:
             pipe.set_datastore(datastore, datastore_field)
@@ -286,7 +294,7 @@ def serve(
             raise QuickdraftError(f"datastore {datastore} does not exist")
         pipe = Pipeline.from_specs(
             target, use_draft, dtype=dtype, backend=backend, quantize=quantize, quantize_draft=quantize_draft,
-            draft_dtype=draft_dtype, draft_vocab=draft_vocab if use_draft else None,
+            draft_dtype=draft_dtype, draft_vocab=full_head_unless_given(draft_vocab, spec.rule) if use_draft else None,
         )
         if head is not None and backend == "torch" and pipe.draft_model is not None:
             from quickdraft.decoding.policies import SpecDecPP

@@ -23,7 +23,7 @@ from quickdraft.decoding.metrics import GenerationMetrics
 from quickdraft.decoding.phrase import PhraseConfig, PhraseDrafter
 from quickdraft.decoding.policies import Constant, Policy
 from quickdraft.decoding.retrieval import RetrievalDrafter, RetrievalIndex
-from quickdraft.verification.rules import Latent, LatentNeighbourhoods, Rule
+from quickdraft.verification.rules import Fuzzy, Latent, LatentNeighbourhoods, Rule
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 from quickdraft.decoding.tree import TreeConfig
@@ -380,7 +380,17 @@ class Pipeline:
 
     def ready_rule(self, rule: Rule | None) -> Rule | None:
         """``rule`` with what it needs from the target attached: a :class:`~quickdraft.verification.rules.Latent`
-        rule without neighbourhoods gets the target's (:meth:`latent_neighbourhoods`)."""
+        rule without neighbourhoods gets the target's (:meth:`latent_neighbourhoods`). A rule that needs
+        the draft's whole distribution (``needs_full_draft``) with a draft whose head was cut to part
+        of the vocabulary is a :class:`QuickdraftError` naming the fix."""
+        if getattr(rule, "needs_full_draft", False) and getattr(self.draft, "head_ids", None) is not None:
+            what = (f"FSD's {rule.divergence!r} divergence is infinite wherever the draft gives a token no "
+                    "probability, so every draft would be rejected" if isinstance(rule, Fuzzy)
+                    else f"the {rule.name} rule reads the draft's probability of every token")
+            raise QuickdraftError(
+                f"{what}, and this draft's head keeps only {len(self.draft.head_ids):,} of the {self.vocab_size:,} "
+                "token ids: load the draft with its full head (--draft-vocab 0, or an explicit --quantize-draft)"
+                + (", or use a divergence that stays finite (jsd, kl, tv)" if isinstance(rule, Fuzzy) else ""))
         if isinstance(rule, Latent) and rule.neighbours is None:
             return dataclasses.replace(rule, neighbours=self.latent_neighbourhoods(rule.k))
         return rule

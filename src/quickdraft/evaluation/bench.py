@@ -702,13 +702,17 @@ def _now() -> str:
 
 
 def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None,
-                 draft_dtype: str | None = None, backend: str = "torch", datastore: dict | None = None) -> dict:
+                 draft_dtype: str | None = None, backend: str = "torch", datastore: dict | None = None,
+                 full_draft_head: bool = False) -> dict:
     """The models of a run as recorded in ``run.json``: quantisation only when used, so that a run
     directory without these keys still resumes; ``draft_dtype`` is the dtype the draft was loaded in;
-    ``datastore`` (path and tokens) where retrieval methods run."""
+    ``datastore`` (path and tokens) where retrieval methods run; ``draft_head: "full"`` where an
+    openvino draft kept its whole head (instead of the backend's cut-vocabulary preset)."""
     meta: dict[str, Any] = {"target": target, "draft": draft, "dtype": dtype}
     if datastore is not None:
         meta["datastore"] = datastore
+    if full_draft_head and draft is not None:
+        meta["draft_head"] = "full"
     if backend != "torch":
         meta["backend"] = backend
     if draft is not None and draft_dtype is not None:
@@ -1029,9 +1033,14 @@ def bench_command(
         from quickdraft.pipeline import Pipeline
 
         t0 = time.perf_counter()
+        # a rule that reads the draft's probability of every token (FSD's js, contrastive decoding):
+        # the openvino draft with its full head instead of the backend's cut-vocabulary preset
+        full_head = backend == "openvino" and any(
+            not e.is_anchor and getattr(build_method(e.name, **e.kwargs()).rule, "needs_full_draft", False)
+            for e in cfg.entries)
         pipe = Pipeline.from_specs(
             target, draft_spec if needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
-            quantize_draft=quantize_draft, draft_dtype=draft_dtype,
+            quantize_draft=quantize_draft, draft_dtype=draft_dtype, draft_vocab=0 if full_head else None,
         )
         load_seconds = time.perf_counter() - t0
         typer.echo(f"models loaded in {load_seconds:.1f} s (excluded from every rate)", err=True)
@@ -1050,7 +1059,7 @@ def bench_command(
                                 resolve_quantize(backend, quantize), quantize_draft and resolve_quantize(backend, quantize_draft),
                                 draft_dtype=None if pipe.draft_model is None
                                 else str(getattr(pipe.draft_model, "dtype", "")).removeprefix("torch.") or None,
-                                backend=backend, datastore=datastore_meta),
+                                backend=backend, datastore=datastore_meta, full_draft_head=full_head),
             progress=not no_progress, llamacpp_model=llamacpp_model,
         )
     except QuickdraftError as err:

@@ -333,14 +333,10 @@ def create_app(pipe, config: ServerConfig | None = None) -> FastAPI:
         if spec.needs_datastore and pipe.datastore is None:
             raise APIError(400, f"method {settings.method!r} retrieves from a datastore; this server has none "
                            "(start it with --datastore PATH)", param="speculative.method")
-        if settings.method in ("cd", "scd", "lantern"):  # what they need of the models, checked before queueing
-            try:  # cd, scd: the draft's whole head; lantern: the target's token embeddings
-                if settings.method == "lantern":
-                    pipe.ready_rule(spec.rule)
-                else:
-                    pipe.drafter_for(spec.engine_method)
-            except QuickdraftError as err:
-                raise APIError(400, str(err), param="speculative.method") from None
+        try:  # what the rule needs of the models, checked before queueing: cd, scd and FSD's js the
+            pipe.ready_rule(spec.rule)  # draft's whole head, lantern the target's token embeddings
+        except QuickdraftError as err:
+            raise APIError(400, str(err), param="speculative.method") from None
         lookup = scheduler.lookup_k if spec.engine_method in ("ngram_sd", "rest_sd") else 0
         longest_draft = spec.phrase.max_draft if spec.phrase is not None else settings.k
         draft_room = 0 if spec.engine_method == "ar" else max(longest_draft, lookup) + 1

@@ -87,6 +87,10 @@ class Rule(abc.ABC):
     #: True when the rule reads ``ctx.raw_draft_probs`` / ``ctx.raw_target_probs`` (the engine only
     #: computes them when asked)
     needs_raw: bool = False
+    #: True when the rule needs the draft's probability of every token of the vocabulary: a draft whose
+    #: head was cut to part of it (the openvino backend's ``--draft-vocab``) gives 0 elsewhere, which
+    #: would make the rule wrong (e.g. an infinite divergence), so it needs the draft's full head
+    needs_full_draft: bool = False
 
     def propose(self, draft_probs: torch.Tensor, ctx: VerifyContext, offset: int = 0) -> torch.Tensor:
         """Draft one token per row from ``draft_probs [B, V]`` at draft position ``offset``."""
@@ -286,6 +290,14 @@ class Fuzzy(Rule):
     @property
     def needs_raw(self) -> bool:  # type: ignore[override]
         return self.use_raw and self.threshold > 0
+
+    @property
+    def needs_full_draft(self) -> bool:  # type: ignore[override]
+        """FSD's ``js`` and ``kl_reverse`` (plain, ``topk_``, ``topp_``) are infinite wherever the
+        target has mass and the draft none, so a draft head cut to part of the vocabulary would make
+        every token fail the threshold; ``jsd``, ``kl`` and ``tv`` stay finite (measured against the
+        cut draft's distribution, the one that drafts)."""
+        return self.threshold > 0 and self.divergence.rsplit("_", 1)[-1] in ("js", "reverse")
 
     def divergences(self, draft_probs: torch.Tensor, target_probs: torch.Tensor, ctx: VerifyContext) -> torch.Tensor:
         """D_i for every draft position, ``[B, K]``, on the raw or processed distributions.
@@ -839,6 +851,7 @@ class Contrastive(Rule):
     greedy_drafts: bool = False
 
     name = "contrastive"
+    needs_full_draft = True  # log q of every token: the amateur's whole distribution
 
     def __post_init__(self) -> None:
         a, b = self.alpha, self.beta

@@ -271,3 +271,18 @@ def test_unavailable_anchor_is_skipped_with_one_line(pipe, tmp_path):
     meta = run_bench(_raw_ids_pipe(pipe), _prompts(1), config, tmp_path, progress=False, log=lines.append)
     assert meta["entries"] == ["ar"] and lines[0] == why
     assert meta["sessions"][0]["skipped"] == [why]
+
+
+def test_models_meta_records_an_openvino_draft_as_loaded():
+    """The draft's weights and head as loaded (the openvino preset: int4 with a cut head), not as asked."""
+    from types import SimpleNamespace
+
+    from quickdraft.evaluation.bench import _draft_head, _models_meta
+
+    cut = SimpleNamespace(draft=SimpleNamespace(export_info={"weight_format": "int4"}, head_ids=torch.arange(7)))
+    full = SimpleNamespace(draft=SimpleNamespace(export_info={"weight_format": "int4"}, head_ids=None))
+    assert _draft_head(cut) == 7 and _draft_head(full) == "full"
+    assert _draft_head(SimpleNamespace(draft=SimpleNamespace())) is None  # torch: no export
+    meta = _models_meta("target", "draft", "auto", "int8", "int4", backend="openvino", draft_head=_draft_head(cut))
+    assert meta == {"target": "target", "draft": "draft", "dtype": "auto", "backend": "openvino", "quantize": "int8",
+                    "quantize_draft": "int4", "draft_head": 7}

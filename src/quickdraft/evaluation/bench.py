@@ -703,16 +703,16 @@ def _now() -> str:
 
 def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None,
                  draft_dtype: str | None = None, backend: str = "torch", datastore: dict | None = None,
-                 full_draft_head: bool = False) -> dict:
+                 draft_head: int | str | None = None) -> dict:
     """The models of a run as recorded in ``run.json``: quantisation only when used, so that a run
     directory without these keys still resumes; ``draft_dtype`` is the dtype the draft was loaded in;
-    ``datastore`` (path and tokens) where retrieval methods run; ``draft_head: "full"`` where an
-    openvino draft kept its whole head (instead of the backend's cut-vocabulary preset)."""
+    ``datastore`` (path and tokens) where retrieval methods run; ``draft_head``: an openvino draft's
+    head, ``"full"`` or the number of token ids it keeps (:func:`_draft_head`)."""
     meta: dict[str, Any] = {"target": target, "draft": draft, "dtype": dtype}
     if datastore is not None:
         meta["datastore"] = datastore
-    if full_draft_head and draft is not None:
-        meta["draft_head"] = "full"
+    if draft_head is not None and draft is not None:
+        meta["draft_head"] = draft_head
     if backend != "torch":
         meta["backend"] = backend
     if draft is not None and draft_dtype is not None:
@@ -722,6 +722,15 @@ def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quan
     if draft is not None and (quantize_draft or quantize) != "none":
         meta["quantize_draft"] = quantize_draft or quantize
     return meta
+
+
+def _draft_head(pipe) -> int | str | None:
+    """An openvino draft's head: the number of token ids it keeps, or ``"full"``; ``None`` elsewhere."""
+    runner = getattr(pipe, "draft", None)
+    if runner is None or not hasattr(runner, "export_info"):
+        return None
+    ids = getattr(runner, "head_ids", None)
+    return "full" if ids is None else int(len(ids))
 
 
 def expand_datastore(spec: str) -> str:
@@ -1056,10 +1065,13 @@ def bench_command(
         meta = run_bench(
             pipe, prompts, cfg, out, command=command, model_load_seconds=load_seconds,
             models=_models_meta(target, draft_spec if needs_draft else None, dtype,
-                                resolve_quantize(backend, quantize), quantize_draft and resolve_quantize(backend, quantize_draft),
+                                resolve_quantize(backend, quantize),
+                                # an openvino draft as loaded (the backend's preset when nothing was said)
+                                getattr(pipe.draft, "export_info", {}).get("weight_format")
+                                or (quantize_draft and resolve_quantize(backend, quantize_draft)),
                                 draft_dtype=None if pipe.draft_model is None
                                 else str(getattr(pipe.draft_model, "dtype", "")).removeprefix("torch.") or None,
-                                backend=backend, datastore=datastore_meta, full_draft_head=full_head),
+                                backend=backend, datastore=datastore_meta, draft_head=_draft_head(pipe)),
             progress=not no_progress, llamacpp_model=llamacpp_model,
         )
     except QuickdraftError as err:

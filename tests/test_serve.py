@@ -143,13 +143,17 @@ def _drafter(method: str, draft_model):
         return PhraseDrafter(runner, TINY_VOCAB, PhraseConfig(max_phrase=4, max_draft=6))
     if method in ("cd", "scd"):
         return ContrastiveDrafter(runner, TINY_VOCAB, drafts=method == "scd")
+    if method == "amusd":
+        from quickdraft.decoding.amusd import AsyncDrafter
+
+        return AsyncDrafter(runner, TINY_VOCAB)
     return ModelDrafter(runner, TINY_VOCAB)
 
 
-@pytest.mark.parametrize("method", ["sd", "phrase_sd", "scd"])
+@pytest.mark.parametrize("method", ["sd", "phrase_sd", "scd", "amusd"])
 def test_decoder_rows_joining_and_leaving_decode_as_alone(tiny_target, tiny_draft, one_thread, method):
     """Rows that join a running batch and leave it when done get the tokens of their prompts decoded
-    alone (greedy: sd and phrase_sd give plain greedy decoding, scd greedy contrastive decoding)."""
+    alone (greedy: sd, phrase_sd and amusd give plain greedy decoding, scd greedy contrastive decoding)."""
     from quickdraft.verification.rules import Contrastive
 
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [3, 4, 5, 3, 4]]
@@ -344,6 +348,7 @@ SETTINGS = [
     {"method": "typical", "k": 4, "epsilon": 0.2, "delta": 0.5},
     {"method": "ersd", "k": 4},
     {"method": "phrase_sd", "k": 3},
+    {"method": "amusd", "k": 3},
     {"method": "lantern", "k": 4, "lantern_k": 5, "lantern_delta": 0.3},
     {"method": "cd", "cd_alpha": 0.2, "cd_beta": 0.7},
     {"method": "scd", "k": 3, "cd_alpha": 0.1, "cd_beta": 0.5},
@@ -371,7 +376,7 @@ def test_every_speculation_setting(pipe, head_path, one_thread):
                 kw = {key: v for key, v in spec.items() if key != "method"}
                 expected = _reference(pipe, ids, 24, method=spec["method"], **kw, head=head_path)[0]
                 assert r.choices[0].text == expected, spec
-                if spec["method"] in ("ar", "sd", "ngram", "ngram_sd", "ersd", "phrase_sd"):  # lossless: the greedy text
+                if spec["method"] in ("ar", "sd", "ngram", "ngram_sd", "ersd", "phrase_sd", "amusd"):  # lossless: the greedy text
                     assert r.choices[0].text == plain, spec
                 if spec["method"] == "scd":  # greedy scd is greedy contrastive decoding
                     cd = {key: spec[key] for key in ("cd_alpha", "cd_beta")}
@@ -401,8 +406,8 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server, pipe):
         (url, b"{not json", 400, "malformed JSON"),
         (url, b"[1, 2]", 400, "JSON object"),
         (url, {**ok, "speculative": {"method": "nope"}}, 400, "unknown or unserved method"),
-        (url, {**ok, "speculative": {"method": "tree"}}, 400, "token trees and amusd are not served"),
-        (url, {**ok, "speculative": {"method": "amusd"}}, 400, "token trees and amusd are not served"),
+        (url, {**ok, "speculative": {"method": "tree"}}, 400, "token trees are not served"),
+        (url, {**ok, "speculative": {"method": "amusd", "policy": "heuristic"}}, 400, "constant"),
         (url, {**ok, "speculative": {"method": "lantern", "lantern_delta": 2}}, 400, "speculative.lantern_delta"),
         (url, {**ok, "speculative": {"method": "lantern", "lantern_k": 10**6}}, 400, "speculative.lantern_k"),
         (url, {**ok, "speculative": {"method": "cd", "cd_alpha": 1.5}}, 400, "speculative.cd_alpha"),

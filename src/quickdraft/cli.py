@@ -227,8 +227,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in /v1/models (default: --target)."),
-    method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, fsd, typical, ersd, "
-                                "lantern, cd, scd."),
+    method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, amusd, fsd, typical, "
+                                "ersd, lantern, cd, scd."),
     k: int = typer.Option(4, "--k", help="Default draft length."),
     policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp."),
     temperature: float = typer.Option(0.0, help="Default temperature (0 = greedy)."),

@@ -19,10 +19,9 @@ from quickdraft.decoding.policies import MAX_DRAFT_LENGTH
 from quickdraft.verification.sampling import SamplingParams
 
 #: methods the server runs. Not served: token trees (``tree``, ERSD with several candidates), whose
-#: rows cannot join a running batch, and ``amusd``, whose draft thread runs one fixed batch ahead of
-#: the target. ``rest`` and ``rest_sd`` need the server's ``--datastore``.
-SERVED_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "fsd", "typical",
-                                   "ersd", "lantern", "cd", "scd")
+#: rows cannot join a running batch. ``rest`` and ``rest_sd`` need the server's ``--datastore``.
+SERVED_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "amusd", "fsd",
+                                   "typical", "ersd", "lantern", "cd", "scd")
 #: the largest LANTERN neighbourhood a request may ask for (each drafted token's row holds k ids)
 MAX_LANTERN_K = 4096
 POLICIES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp")
@@ -71,7 +70,7 @@ class SpeculativeSettings(BaseModel):
         if value is not None and value not in SERVED_METHODS:
             raise ValueError(
                 f"unknown or unserved method {value!r}; the server runs {', '.join(SERVED_METHODS)} "
-                "(token trees and amusd are not served)"
+                "(token trees are not served)"
             )
         return value
 

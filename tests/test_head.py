@@ -93,6 +93,30 @@ def test_stats_head_save_load_round_trip_is_exact(tmp_path):
     assert not torch.allclose(loaded.accept_prob(x, stats), loaded.accept_prob(x, stats.flip(0)), atol=1e-3)
 
 
+def test_shared_block_head_is_one_block_applied_l_times_and_round_trips(tmp_path):
+    """The paper's head (its code's ``[ResBlock(H)] * L``): one residual block applied L times, its
+    logit ``w^T f^L(z) + c`` with ``f(z) = z + SiLU(W z + b)``, with a third of the block weights of
+    a head with a block per layer; saved and loaded exactly; ``train-head``'s default (L = 3)."""
+    torch.manual_seed(0)
+    head = AcceptanceHead(16, 3, HeadMetadata(draft="draft"), shared_blocks=True)
+    own = AcceptanceHead(16, 3)
+    assert sum(p.numel() for p in head.parameters()) == 16 * 16 + 16 + 16 + 1
+    assert sum(p.numel() for p in own.parameters()) == 3 * (16 * 16 + 16) + 16 + 1
+    h = torch.randn(5, 16)
+    z = (h - head.feature_mean) / head.feature_std
+    for _ in range(3):
+        z = z + torch.nn.functional.silu(z @ head.block.linear.weight.T + head.block.linear.bias)
+    expected = (z @ head.out.weight.T).squeeze(-1) + head.out.bias
+    assert torch.allclose(head(h), expected, atol=1e-6)
+    with torch.no_grad():  # float16 weights on disk: the loaded head is that head, exactly
+        for p in head.parameters():
+            p.copy_(p.half().float())
+    loaded = load_head(save_head(head, tmp_path / "shared.pt"))
+    assert loaded.shared_blocks and loaded.num_layers == 3 and torch.equal(loaded(h), head(h))
+    assert not AcceptanceHead(16, 0, shared_blocks=True).shared_blocks  # no layer: nothing to share
+    assert TrainConfig().num_layers == 3 and TrainConfig().shared_blocks and not TrainConfig().confidence_inputs
+
+
 def test_stats_head_needs_its_confidence_inputs():
     head = _stats_head()
     x = torch.zeros(2, 32)

@@ -20,7 +20,8 @@ Data (Huang, Guo & Wang 2024, Sec. 3.2 and their ``data/`` scripts), one example
    ``Z_j`` (the state the policy reads when ``Z_j`` is fed back to draft the next token). Next to
    the features the draft's own confidence at ``y_j`` is kept (top probability, entropy and the
    probability of ``y_j`` under the temperature-1 ``q_j``, :func:`quickdraft.decoding.head.confidence_features`):
-   the head's second input (``confidence_inputs``, default on) and the logistic baseline's only one.
+   the optional second input of the head (``confidence_inputs``, default off: the paper's head reads
+   the hidden state only) and the logistic baseline's only one.
 4. **cache** -- every batch is saved under ``~/.cache/quickdraft/specdecpp/`` (:func:`build_dataset`),
    so an interrupted build resumes and retraining takes seconds.
 5. **training** -- the draft model is frozen; the head minimises the weighted binary cross-entropy
@@ -84,7 +85,8 @@ class TrainConfig:
     temperature: temperature of the draft samples and of the labels' ``p`` and ``q``.
     mix_ratio: share of positions that keep the target's token as context (no loss there).
     reject_weight: weight ``w`` of the rejection class in the loss.
-    num_layers: residual blocks of the head.
+    num_layers: residual layers of the head (the paper: 3).
+    shared_blocks: every layer is the same block (the paper's code); False: one block per layer.
     epochs: training epochs (the validation-best epoch is kept).
     lr: AdamW learning rate (cosine-decayed to 0 over the epochs).
     weight_decay: AdamW weight decay.
@@ -93,7 +95,8 @@ class TrainConfig:
     seed: seeds prompts' sample, draft samples, mixing, split and initialisation.
     confidence_inputs: the head also reads the draft's confidence at the drafted token
         (``num_stats = 4``, :func:`quickdraft.decoding.head.baseline_design` of the examples' ``draft_stats``;
-        ignored when the examples have none). False trains the paper's hidden-state-only head.
+        ignored when the examples have none). False (the default) trains the paper's
+        hidden-state-only head.
     """
 
     num_prompts: int = 288
@@ -103,14 +106,15 @@ class TrainConfig:
     temperature: float = 1.0
     mix_ratio: float = 0.15
     reject_weight: float = 6.0
-    num_layers: int = 1
+    num_layers: int = 3
+    shared_blocks: bool = True
     epochs: int = 30
     lr: float = 3e-4
     weight_decay: float = 0.1
     batch_size: int = 256
     holdout: float = 0.2
     seed: int = 0
-    confidence_inputs: bool = True
+    confidence_inputs: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.mix_ratio < 1.0:
@@ -536,7 +540,8 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     base_weights = None
     if has_stats:  # the simple baseline: logistic on the draft's confidence
         base_weights, _ = fit_logistic(d_tr, y_tr)
-    head = AcceptanceHead(x_tr.shape[1], cfg.num_layers, metadata, num_stats=NUM_CONFIDENCE_STATS if use_stats else 0)
+    head = AcceptanceHead(x_tr.shape[1], cfg.num_layers, metadata, num_stats=NUM_CONFIDENCE_STATS if use_stats else 0,
+                          shared_blocks=cfg.shared_blocks)
     head.set_normalisation(x_tr, s_tr)
     with torch.no_grad():
         if use_stats:  # start at the logistic baseline (weighted: bias - log w), the hidden term at 0
@@ -850,14 +855,17 @@ def train_head_command(
                                     help="Share of positions with the target's token as context."),
     reject_weight: float = typer.Option(TrainConfig.reject_weight, "--reject-weight",
                                         help="Loss weight of the rejection class."),
-    num_layers: int = typer.Option(TrainConfig.num_layers, "--num-layers", help="Residual blocks of the head."),
+    num_layers: int = typer.Option(TrainConfig.num_layers, "--num-layers", help="Residual layers of the head (paper: 3)."),
+    shared_blocks: bool = typer.Option(TrainConfig.shared_blocks, "--shared-blocks/--own-blocks",
+                                       help="One residual block applied at every layer (the paper's code), or one per layer."),
     epochs: int = typer.Option(TrainConfig.epochs),
     lr: float = typer.Option(TrainConfig.lr, "--lr"),
     weight_decay: float = typer.Option(TrainConfig.weight_decay, "--weight-decay"),
     seed: int = typer.Option(TrainConfig.seed),
     confidence_inputs: bool = typer.Option(TrainConfig.confidence_inputs, "--confidence-inputs/--no-confidence-inputs",
                                            help="The head also reads the draft's confidence at the drafted token "
-                                                "(top probability, entropy, log probabilities); off = hidden state only."),
+                                                "(top probability, entropy, log probabilities); off (default) = the paper's "
+                                                "hidden-state-only head."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
     time_budget: float = typer.Option(0.0, "--time-budget", help="Seconds; start no data batch after this and "
                                       "train on the batches done (cached: run again to add more). 0 = no limit."),
@@ -872,7 +880,8 @@ def train_head_command(
         cfg = TrainConfig(num_prompts=num_prompts, max_new_tokens=max_new_tokens, gen_batch=gen_batch,
                           response_temperature=response_temperature, temperature=temperature[0], mix_ratio=mix_ratio,
                           reject_weight=reject_weight, num_layers=num_layers, epochs=epochs, lr=lr,
-                          weight_decay=weight_decay, seed=seed, confidence_inputs=confidence_inputs)
+                          weight_decay=weight_decay, seed=seed, confidence_inputs=confidence_inputs,
+                          shared_blocks=shared_blocks)
         run_training(cfg, target=target, draft=draft, out=out, report_path=report, plot_path=plot, threads=threads,
                      temperatures=tuple(temperature), time_budget=time_budget, dtype=dtype,
                      log=lambda m: typer.echo(m, err=True))

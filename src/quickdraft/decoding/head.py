@@ -11,8 +11,9 @@ optionally, a linear term in the draft's own confidence ``s_i`` at that token:
 
 ``P̂_i`` estimates the probability that draft token ``i`` is accepted given that every draft token
 before it was, ``E[min(1, p(y_i)/q(y_i))]``. ``μ, σ`` are the training features' per-dimension
-mean and standard deviation (stored with the weights), ``L`` the depth; unlike the paper's code,
-whose ``[ResBlock(H)] * L`` repeats one block, every layer has its own weights.
+mean and standard deviation (stored with the weights), ``L`` the depth. With ``shared_blocks`` (the
+default of ``quickdraft train-head``, as the paper's code, whose ``[ResBlock(H)] * L`` repeats one
+block) every layer is the same block, ``W_l = W``; otherwise each layer has its own weights.
 
 ``s_i = baseline_design(confidence_features(q_i, y_i))`` (``num_stats = 4``: top probability,
 entropy, ``log`` top probability and ``log q_i(y_i)`` of the draft's temperature-1 distribution
@@ -144,10 +145,13 @@ class AcceptanceHead(nn.Module):
         Number of confidence inputs ``s`` (0 = none, the paper's head; 4 = :func:`baseline_design`
         of :func:`confidence_features`). With ``num_stats > 0`` the logit gains ``v^T (s - μ_s) / σ_s``
         (``stats_out``, no bias) and every call must pass ``stats``.
+    shared_blocks:
+        One residual block applied ``num_layers`` times (the paper's code) instead of ``num_layers``
+        blocks of their own.
     """
 
     def __init__(self, hidden_size: int, num_layers: int = 1, metadata: HeadMetadata | None = None,
-                 num_stats: int = 0) -> None:
+                 num_stats: int = 0, shared_blocks: bool = False) -> None:
         super().__init__()
         if hidden_size < 1 or num_layers < 0 or num_stats < 0:
             raise QuickdraftError(
@@ -156,10 +160,14 @@ class AcceptanceHead(nn.Module):
         self.hidden_size = int(hidden_size)
         self.num_layers = int(num_layers)
         self.num_stats = int(num_stats)
+        self.shared_blocks = bool(shared_blocks) and self.num_layers > 0
         self.metadata = metadata or HeadMetadata()
         self.register_buffer("feature_mean", torch.zeros(hidden_size))
         self.register_buffer("feature_std", torch.ones(hidden_size))
-        self.blocks = nn.Sequential(*[ResidualBlock(hidden_size) for _ in range(num_layers)])
+        if self.shared_blocks:  # one block, applied num_layers times
+            self.block = ResidualBlock(hidden_size)
+        else:
+            self.blocks = nn.Sequential(*[ResidualBlock(hidden_size) for _ in range(num_layers)])
         self.out = nn.Linear(hidden_size, 1)
         if self.num_stats:  # absent otherwise: a num_stats = 0 head's state dict is the paper's head's
             self.register_buffer("stats_mean", torch.zeros(self.num_stats))
@@ -197,7 +205,12 @@ class AcceptanceHead(nn.Module):
         ``num_stats > 0``, confidence inputs ``stats [..., num_stats]`` (required then)."""
         self._check_stats(stats, hidden)
         z = (hidden.float() - self.feature_mean) / self.feature_std
-        logit = self.out(self.blocks(z)).squeeze(-1)
+        if self.shared_blocks:
+            for _ in range(self.num_layers):
+                z = self.block(z)
+        else:
+            z = self.blocks(z)
+        logit = self.out(z).squeeze(-1)
         if self.num_stats:
             zs = (stats.float() - self.stats_mean) / self.stats_std
             logit = logit + self.stats_out(zs).squeeze(-1)
@@ -248,6 +261,7 @@ def save_head(head: AcceptanceHead, path: str | Path) -> Path:
         "hidden_size": head.hidden_size,
         "num_layers": head.num_layers,
         "num_stats": head.num_stats,
+        "shared_blocks": head.shared_blocks,
         "metadata": asdict(head.metadata),
         "state_dict": state,
     }
@@ -257,7 +271,8 @@ def save_head(head: AcceptanceHead, path: str | Path) -> Path:
 
 def load_head(path: str | Path, draft_name: str | None = None) -> AcceptanceHead:
     """Load a head saved by :func:`save_head` (a file without ``num_stats`` is a head
-    with ``num_stats = 0``, the paper's head without confidence inputs).
+    with ``num_stats = 0``, the paper's head without confidence inputs; one without
+    ``shared_blocks`` has a block of its own per layer).
 
     Parameters
     ----------
@@ -285,7 +300,8 @@ def load_head(path: str | Path, draft_name: str | None = None) -> AcceptanceHead
             "train a head for this draft with `quickdraft train-head`"
         )
     head = AcceptanceHead(int(payload["hidden_size"]), int(payload["num_layers"]), meta,
-                          num_stats=int(payload.get("num_stats", 0)))
+                          num_stats=int(payload.get("num_stats", 0)),
+                          shared_blocks=bool(payload.get("shared_blocks", False)))
     head.load_state_dict({k: v.float() for k, v in payload["state_dict"].items()})
     return head.eval()
 

@@ -257,6 +257,11 @@ def test_fidelity_is_the_target_log_likelihood(tiny_target):
     assert fid.target_logprob_sum == pytest.approx(float(expected), abs=1e-4)
     # the greedy continuation is at least as likely, token by token, as any other
     greedy = int(logits[2].argmax())
+    # through a runner (the openvino and llama.cpp backends' way: the head over the answer only)
+    from quickdraft.backends.runner import ModelRunner
+
+    by_runner = target_fidelity(ModelRunner(tiny_target), prompt, new)
+    assert by_runner.scored_tokens == 2 and by_runner.target_logprob_sum == pytest.approx(float(expected), abs=1e-4)
     assert target_fidelity(tiny_target, prompt, [greedy]).target_mean_logprob >= target_fidelity(
         tiny_target, prompt, [(greedy + 1) % TINY_VOCAB]).target_mean_logprob
 

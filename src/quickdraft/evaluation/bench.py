@@ -663,13 +663,13 @@ def target_fidelity(target_model, prompt_ids: list[int], new_ids: list[int]) -> 
         return Fidelity(None, None, 0)
     with torch.inference_mode():
         input_ids = torch.tensor([list(prompt_ids) + list(new_ids)])  # [1, P+N]
+        n = len(new_ids)
         if _is_torch_model(target_model):
-            logits = target_model(input_ids).logits[0].float()  # [P+N, V]
-        else:  # a runner of another backend
+            logits = target_model(input_ids).logits[0, len(prompt_ids) - 1 : -1].float()  # [N, V]
+        else:  # a runner of another backend: the head over the last N + 1 positions only
             target_model.reset(1)
-            logits = target_model.forward(input_ids).logits[0].float()  # [P+N, V]
-        p = len(prompt_ids)
-        logprobs = torch.log_softmax(logits[p - 1 : p - 1 + len(new_ids)], dim=-1)  # [N, V]
+            logits = target_model.forward(input_ids, logits_to_keep=n + 1).logits[0, :n].float()  # [N, V]
+        logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]: position P - 1 + j predicts y_j
         picked = logprobs.gather(-1, torch.tensor(new_ids).unsqueeze(-1)).squeeze(-1)  # [N]
     total = float(picked.sum())
     return Fidelity(total / len(new_ids), total, len(new_ids))

@@ -332,10 +332,8 @@ class Pipeline:
         if method == "amusd":
             return AsyncDrafter(draft, self.vocab_size)
         if method in ("cd", "scd"):
-            if getattr(draft, "head_ids", None) is not None:  # an openvino draft with a reduced head
-                raise QuickdraftError(f"method {method!r} contrasts the target with the draft model's whole "
-                                      "distribution; this draft has a reduced head: load it with its full head "
-                                      "(--draft-vocab 0, or an explicit --quantize-draft)")
+            self._require_full_head(draft, f"method {method!r} contrasts the target with the draft model's whole "
+                                           "distribution")
             return ContrastiveDrafter(draft, self.vocab_size, drafts=method == "scd")
         return ModelDrafter(draft, self.vocab_size)
 
@@ -378,19 +376,27 @@ class Pipeline:
             self._neighbourhoods = LatentNeighbourhoods(embeddings, k)
         return self._neighbourhoods
 
+    def _require_full_head(self, draft, why: str, other: str = "") -> None:
+        """A :class:`QuickdraftError` saying ``why`` when ``draft`` (a runner) has a head cut to part
+        of the vocabulary (an openvino draft exported with ``--draft-vocab``); ``other``: another way out."""
+        head_ids = getattr(draft, "head_ids", None)
+        if head_ids is not None:
+            raise QuickdraftError(
+                f"{why}; this draft has a reduced head of {len(head_ids):,} of the {self.vocab_size:,} token ids: "
+                f"load it with its full head (--draft-vocab 0, or an explicit --quantize-draft){other}")
+
     def ready_rule(self, rule: Rule | None) -> Rule | None:
         """``rule`` with what it needs from the target attached: a :class:`~quickdraft.verification.rules.Latent`
         rule without neighbourhoods gets the target's (:meth:`latent_neighbourhoods`). A rule that needs
         the draft's whole distribution (``needs_full_draft``) with a draft whose head was cut to part
         of the vocabulary is a :class:`QuickdraftError` naming the fix."""
-        if getattr(rule, "needs_full_draft", False) and getattr(self.draft, "head_ids", None) is not None:
-            what = (f"FSD's {rule.divergence!r} divergence is infinite wherever the draft gives a token no "
-                    "probability, so every draft would be rejected" if isinstance(rule, Fuzzy)
-                    else f"the {rule.name} rule reads the draft's probability of every token")
-            raise QuickdraftError(
-                f"{what}, and this draft's head keeps only {len(self.draft.head_ids):,} of the {self.vocab_size:,} "
-                "token ids: load the draft with its full head (--draft-vocab 0, or an explicit --quantize-draft)"
-                + (", or use a divergence that stays finite (jsd, kl, tv)" if isinstance(rule, Fuzzy) else ""))
+        if getattr(rule, "needs_full_draft", False):
+            if isinstance(rule, Fuzzy):
+                self._require_full_head(self.draft, f"FSD's {rule.divergence!r} divergence is infinite wherever the "
+                                        "draft gives a token no probability, so every draft would be rejected",
+                                        other=", or use a divergence that stays finite (jsd, kl, tv)")
+            else:
+                self._require_full_head(self.draft, f"the {rule.name} rule reads the draft's probability of every token")
         if isinstance(rule, Latent) and rule.neighbours is None:
             return dataclasses.replace(rule, neighbours=self.latent_neighbourhoods(rule.k))
         return rule

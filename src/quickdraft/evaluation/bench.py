@@ -1027,12 +1027,13 @@ def bench_command(
 
         prompts = load_dataset(cfg.dataset, cfg.limit)
         datastore = datastore or model_fields["datastore"]
-        needs_datastore = [e.label for e in cfg.entries if not e.is_anchor and build_method(e.name, **e.kwargs()).needs_datastore]
+        specs = {e.label: build_method(e.name, **e.kwargs()) for e in cfg.entries if not e.is_anchor}
+        needs_datastore = [label for label, spec in specs.items() if spec.needs_datastore]
         if needs_datastore and datastore is None:
             raise QuickdraftError(f"{', '.join(needs_datastore)} retrieve from a datastore: give --datastore or "
                                   "`datastore` in the config")
         needs_draft = any(
-            e.name in ("hf-assisted", "ovgenai-sd") or (not e.is_anchor and build_method(e.name, **e.kwargs()).needs_draft)
+            e.name in ("hf-assisted", "ovgenai-sd") or (e.label in specs and specs[e.label].needs_draft)
             for e in cfg.entries
         )
         import torch
@@ -1044,9 +1045,7 @@ def bench_command(
         t0 = time.perf_counter()
         # a rule that reads the draft's probability of every token (FSD's js, contrastive decoding):
         # the openvino draft with its full head instead of the backend's cut-vocabulary preset
-        full_head = backend == "openvino" and any(
-            not e.is_anchor and getattr(build_method(e.name, **e.kwargs()).rule, "needs_full_draft", False)
-            for e in cfg.entries)
+        full_head = backend == "openvino" and any(spec.rule.needs_full_draft for spec in specs.values())
         pipe = Pipeline.from_specs(
             target, draft_spec if needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
             quantize_draft=quantize_draft, draft_dtype=draft_dtype, draft_vocab=0 if full_head else None,

@@ -28,7 +28,6 @@ except ImportError:  # pragma: no cover
     httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
-from quickdraft.decoding.drafters import ModelDrafter  # noqa: E402
 from quickdraft.decoding.engine import Decoder, generate  # noqa: E402
 from quickdraft.pipeline import Pipeline  # noqa: E402
 from quickdraft.decoding.policies import Constant  # noqa: E402
@@ -133,21 +132,12 @@ def test_runner_rows_join_leave_and_compact(tiny_target):
     assert torch.allclose(again, alone.forward(torch.tensor([[12]])).logits, atol=1e-5)
 
 
-def _drafter(method: str, draft_model):
-    """A fresh drafter of ``method`` over its own runner of ``draft_model``."""
-    from quickdraft.decoding.contrastive import ContrastiveDrafter
-    from quickdraft.decoding.phrase import PhraseConfig, PhraseDrafter
+def _drafter(method: str, target_model, draft_model):
+    """A fresh drafter of ``method`` over its own runner of ``draft_model`` (the pipeline's choice)."""
+    from quickdraft.decoding.phrase import PhraseConfig
 
-    runner = ModelRunner(draft_model)
-    if method == "phrase_sd":
-        return PhraseDrafter(runner, TINY_VOCAB, PhraseConfig(max_phrase=4, max_draft=6))
-    if method in ("cd", "scd"):
-        return ContrastiveDrafter(runner, TINY_VOCAB, drafts=method == "scd")
-    if method == "amusd":
-        from quickdraft.decoding.amusd import AsyncDrafter
-
-        return AsyncDrafter(runner, TINY_VOCAB)
-    return ModelDrafter(runner, TINY_VOCAB)
+    return Pipeline(target_model, _tokenizer(), draft_model).drafter_for(
+        method, draft=ModelRunner(draft_model), phrase=PhraseConfig(max_phrase=4, max_draft=6))
 
 
 @pytest.mark.parametrize("method", ["sd", "phrase_sd", "scd", "amusd"])
@@ -160,13 +150,13 @@ def test_decoder_rows_joining_and_leaving_decode_as_alone(tiny_target, tiny_draf
     budgets = [30, 12, 25, 20]
     rule = Contrastive(alpha=0.1, beta=0.5, greedy_drafts=True) if method == "scd" else None
     if method == "scd":  # greedy contrastive decoding of each prompt alone
-        alone = [generate(ModelRunner(tiny_target), [p], method="cd", drafter=_drafter("cd", tiny_draft), rule=rule,
+        alone = [generate(ModelRunner(tiny_target), [p], method="cd", drafter=_drafter("cd", tiny_target, tiny_draft), rule=rule,
                           max_new_tokens=m).sequences[0] for p, m in zip(prompts, budgets)]
     else:
         alone = [generate(ModelRunner(tiny_target), [p], method="ar", max_new_tokens=m).sequences[0]
                  for p, m in zip(prompts, budgets)]
     target = ModelRunner(tiny_target)
-    drafter = _drafter(method, tiny_draft)
+    drafter = _drafter(method, tiny_target, tiny_draft)
     dec = Decoder(target, prompts[:2], method=method, drafter=drafter, rule=rule, policy=Constant(3), max_new_tokens=30)
     dec.max_new_tokens[1] = budgets[1]
     done: dict[int, list[int]] = {}

@@ -30,7 +30,7 @@ LAYERS = [
     ('backends', ['backends']),  # runners that own a model's KV cache (torch, OpenVINO, llama.cpp), kernels, the vLLM plugin
     ('decoding', ['decoding']),  # the decoding loop and everything it drives: proposers, drafters, trees, policies
     ('front', ['methods', 'pipeline']),  # named methods and the text-in/text-out pipeline
-    ('adaptive', ['adaptive']),  # training and replaying draft-length policies offline
+    ('adaptive', ['adaptive', 'training']),  # training drafters and draft-length policies, replaying them offline
     ('evaluation', ['evaluation']),  # benchmark data, execution, statistics, the harness and its reports
     ('serve', ['serve']),  # the OpenAI-compatible server
     ('cli', ['cli', 'models_cli', '']),  # the quickdraft command

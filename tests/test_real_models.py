@@ -148,3 +148,27 @@ def test_bf16_and_int8_greedy_speculative_output_parts_only_at_near_ties(real_mo
         bound = BLOCK_LOGIT_BOUND[precision]
         assert _block_vs_one_token(pipe.target_model, prompts[0]) <= bound
         _greedy_parts_only_at_near_ties(pipe, prompts, bound, max_new_tokens=24)
+
+
+@pytest.mark.parametrize("method", ["sd", "tree"])
+def test_feature_drafter_greedy_equals_plain_greedy_on_the_real_pair(pipe, method):
+    """An EAGLE-style feature drafter over the float32 target (its layer a copy of the target's
+    last layer, not trained: equality holds for any drafter) drafts chains and trees whose greedy
+    output is the target's own, token for token, for 48 tokens of two prompts."""
+    from quickdraft.backends.runner import ModelRunner
+    from quickdraft.decoding.feature_model import FeatureDraftModel
+    from quickdraft.training.feature_drafter import init_from_target
+
+    model = FeatureDraftModel(pipe.target_model).float()
+    init_from_target(model, pipe.target_model)
+    pipe.feature_draft = ModelRunner(model.eval(), "feature drafter")
+    prompts = [PROMPT, "Explain what a Python generator is, in two sentences."]
+    try:
+        plain = pipe.generate(prompts, method="ar", max_new_tokens=48)
+        out = pipe.generate(prompts, method=method, drafter="feature", max_new_tokens=48)
+    finally:
+        pipe.feature_draft = None
+        pipe.target.record_hidden = False
+    for a, b in zip(out.completions, plain.completions):
+        assert a.token_ids == b.token_ids
+    assert out.metrics.draft_forwards > 0

@@ -17,6 +17,7 @@ from quickdraft.evaluation.bench import bench_command
 from quickdraft.errors import QuickdraftError
 from quickdraft.backends import resolve_backend
 from quickdraft.adaptive.headtrain import train_head_command
+from quickdraft.training.feature_drafter import train_drafter_command
 from quickdraft.methods import METHOD_NAMES, build_method
 from quickdraft.models_cli import models_app
 from quickdraft.verification.sampling import SamplingParams
@@ -29,6 +30,7 @@ app = typer.Typer(
 )
 app.add_typer(models_app, name="models")
 app.command("train-head")(train_head_command)
+app.command("train-drafter")(train_drafter_command)
 app.command("analyze")(analyze_command)
 app.command("bench")(bench_command)
 
@@ -145,6 +147,12 @@ def generate(
     phrase_max_draft: int = typer.Option(
         16, "--phrase-max-draft", help="phrase_sd: most draft tokens per step, draft model's and phrases' together "
         "(--k counts draft-model forwards)."),
+    drafter: str = typer.Option(
+        "model", "--drafter", help="Who drafts sd's chains (and fsd, typical, ersd, lantern) and tree's trees: model "
+        "(the draft model) or feature (the target's EAGLE-style feature drafter; torch backend; "
+        "`quickdraft train-drafter` makes it)."),
+    feature_drafter: Optional[Path] = typer.Option(
+        None, "--feature-drafter", help="--drafter feature: the drafter's directory (default: the target's cache entry)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text, streaming it to stdout (one prompt), then print the metrics."""
@@ -170,6 +178,13 @@ def generate(
             check_prompt_text(prompt)
         check_stop_strings(stop)
         check_datastore_option(method, spec.needs_datastore, datastore)
+        from quickdraft.pipeline import DRAFTER_KINDS
+
+        if drafter not in DRAFTER_KINDS:
+            raise QuickdraftError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+        if drafter == "feature" and resolve_backend(backend) != "torch":
+            raise QuickdraftError("--drafter feature reads the target's hidden states: use --backend torch")
+        by_features = drafter == "feature" and spec.needs_draft
         threads = None
         if spec.engine_method == "amusd" and resolve_backend(backend) == "openvino":  # both models run at once
             from quickdraft.decoding.amusd import split_threads
@@ -177,23 +192,27 @@ def generate(
 
             threads = split_threads(openvino_threads())
         pipe = Pipeline.from_specs(
-            target, draft if spec.needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
-            quantize_draft=quantize_draft, draft_dtype=draft_dtype, exact=exact,
-            draft_vocab=full_head_unless_given(draft_vocab, spec.rule) if spec.needs_draft else None, threads=threads,
+            target, draft if spec.needs_draft and not by_features else None, dtype=dtype, backend=backend,
+            quantize=quantize, quantize_draft=quantize_draft, draft_dtype=draft_dtype, exact=exact,
+            draft_vocab=full_head_unless_given(draft_vocab, spec.rule) if spec.needs_draft and not by_features else None,
+            threads=threads,
         )
+        if by_features:
+            pipe.load_feature_drafter(feature_drafter)
         if datastore is not None:
             pipe.set_datastore(datastore, datastore_field)
         acceptance_head = getattr(spec.policy, "head", None)
         if acceptance_head is not None and pipe.draft_model is not None and resolve_backend(backend) != "llamacpp":
             acceptance_head.check_draft(pipe.draft_model, name=f"draft {draft!r}")  # clear error on a mismatch
         if not json_out:
-            typer.echo(f"[{method}] target={target} draft={draft if spec.needs_draft else '-'}", err=True)
+            who = "feature drafter" if by_features else (draft if spec.needs_draft else "-")
+            typer.echo(f"[{method}] target={target} draft={who}", err=True)
         single = len(prompts) == 1
         stream = None if json_out or not single else (lambda row, text: (sys.stdout.write(text), sys.stdout.flush()))
         out = pipe.generate(
             list(prompts), method=spec.engine_method, policy=spec.policy, rule=spec.rule, sampling=sampling,
             max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop), chat=chat, on_text=stream,
-            tree=spec.tree, verifier=spec.verifier, phrase=spec.phrase,
+            tree=spec.tree, verifier=spec.verifier, phrase=spec.phrase, drafter="feature" if by_features else "model",
         )
     except QuickdraftError as err:
         fail(str(err))

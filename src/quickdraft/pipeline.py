@@ -54,6 +54,8 @@ class PipelineOutput:
 OPENVINO_DRAFT_QUANTIZE = "int4"
 #: weight formats only the openvino backend has (``int4all``: int4 with the head and embedding in int4)
 OPENVINO_ONLY_FORMATS: tuple[str, ...] = ("int4all",)
+#: who drafts: the draft model, or the target's feature drafter (:mod:`quickdraft.decoding.feature_drafter`)
+DRAFTER_KINDS: tuple[str, ...] = ("model", "feature")
 OPENVINO_DRAFT_VOCAB = 49152
 
 
@@ -90,6 +92,8 @@ class Pipeline:
         self._eos_ids: frozenset[int] | None = None  # filled by the first eos_ids()
         self.datastore: RetrievalIndex | None = None  # what rest / rest_sd retrieve from (set_datastore)
         self._neighbourhoods: LatentNeighbourhoods | None = None  # of the last k asked for
+        #: a feature drafter's runner (:meth:`load_feature_drafter`): what drafter="feature" drafts with
+        self.feature_draft: ModelRunner | None = None
         if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
             raise QuickdraftError(
                 f"target and draft vocabularies differ: logits of size {self.vocab_size} vs "
@@ -296,14 +300,37 @@ class Pipeline:
     #: nothing there), two tokens or more for ``ngram_sd`` (a miss costs a draft-model step)
     NGRAM_DEFAULTS = {"ngram": (1, 3), "ngram_sd": (2, 4)}
 
+    def load_feature_drafter(self, path: str | Path | None = None, head_vocab: int | None = None) -> None:
+        """Load the target's EAGLE-style feature drafter (``path``: a directory written by
+        ``quickdraft train-drafter``; default: the one in the target's cache entry) for
+        ``drafter="feature"``; ``head_vocab`` overrides its head cut (0: the whole head). The torch
+        backend only: the drafter reads the target's hidden states."""
+        from quickdraft.decoding.feature_model import FeatureDraftModel, default_drafter_dir
+
+        if not isinstance(self.target, ModelRunner):
+            raise QuickdraftError("the feature drafter reads the target's hidden states: load the pipeline with "
+                                  "backend torch")
+        if path is None:
+            path = default_drafter_dir(getattr(self.target_model, "name_or_path", None) or "target")
+        model, _ = FeatureDraftModel.load(path, self.target_model, head_vocab=head_vocab,
+                                          eos_ids=tuple(sorted(self.eos_ids())))
+        self.feature_draft = ModelRunner(model, "feature drafter")
+
     def drafter_for(self, method: str, ngram: tuple[int, int] | None = None, lookup_k: int = 8,
                     tree: TreeConfig | None = None, verifier: str = "rrs", draft: ModelRunner | None = None,
-                    datastore: RetrievalIndex | None = None, phrase: PhraseConfig | None = None):
+                    datastore: RetrievalIndex | None = None, phrase: PhraseConfig | None = None,
+                    drafter: str = "model"):
         """The drafter of ``method`` (``None`` for ``ar``) over ``draft`` (default: this pipeline's
         draft runner); ``tree`` and ``verifier`` shape the ``tree`` method's trees (default
         :class:`TreeConfig`); ``rest`` and ``rest_sd`` retrieve from ``datastore`` (default:
         :attr:`datastore`); ``phrase_sd`` drafts with ``phrase`` (default :class:`PhraseConfig`); ``cd``
-        and ``scd`` take the draft model as the amateur (:class:`ContrastiveDrafter`, its full head)."""
+        and ``scd`` take the draft model as the amateur (:class:`ContrastiveDrafter`, its full head).
+        ``drafter="feature"``: chains (``sd`` and the chain rules) and trees come from the feature
+        drafter (:meth:`load_feature_drafter`) instead of the draft model."""
+        if drafter not in DRAFTER_KINDS:
+            raise QuickdraftError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+        if drafter == "feature":
+            return self._feature_drafter_for(method, tree, verifier)
         ngram_min, ngram_max = ngram or self.NGRAM_DEFAULTS.get(method, (1, 3))
         draft = draft if draft is not None else self.draft
         datastore = datastore if datastore is not None else self.datastore
@@ -336,6 +363,21 @@ class Pipeline:
                                            "distribution")
             return ContrastiveDrafter(draft, self.vocab_size, drafts=method == "scd")
         return ModelDrafter(draft, self.vocab_size)
+
+    def _feature_drafter_for(self, method: str, tree: TreeConfig | None, verifier: str):
+        from quickdraft.decoding.feature_drafter import FeatureDrafter, FeatureTreeDrafter
+
+        if method == "ar":
+            return None
+        if method not in ("sd", "tree"):
+            raise QuickdraftError(f"the feature drafter drafts chains (sd, fsd, typical, ersd, lantern) and trees, "
+                                  f"not method {method!r}")
+        if self.feature_draft is None:
+            raise QuickdraftError("drafter 'feature' needs a feature drafter: Pipeline.load_feature_drafter() "
+                                  "(train one with `quickdraft train-drafter`)")
+        if method == "tree":
+            return FeatureTreeDrafter(self.feature_draft, self.target, self.vocab_size, tree or TreeConfig(), verifier)
+        return FeatureDrafter(self.feature_draft, self.target, self.vocab_size)
 
     # -- latent neighbourhoods (LANTERN) ---------------------------------------------------------
     def token_embeddings(self) -> torch.Tensor:
@@ -423,6 +465,7 @@ class Pipeline:
         lookup_k: int = 8,
         datastore: str | Path | RetrievalIndex | None = None,
         phrase: PhraseConfig | None = None,
+        drafter: str = "model",
     ) -> PipelineOutput:
         """Generate a completion for every prompt (one real batch through the models).
 
@@ -437,6 +480,7 @@ class Pipeline:
         step. ``datastore``: what ``rest`` and ``rest_sd`` retrieve from in this call (a
         :class:`RetrievalIndex` or a path, indexed anew; default: the pipeline's, :meth:`set_datastore`).
         ``phrase``: the phrase pool and draft limits of ``phrase_sd`` (default :class:`PhraseConfig`).
+        ``drafter``: ``model`` (the draft model) or ``feature`` (the feature drafter, :meth:`drafter_for`).
         A LANTERN ``rule``
         (:class:`~quickdraft.verification.rules.Latent`) without neighbourhoods gets the target's
         (:meth:`ready_rule`).
@@ -484,7 +528,7 @@ class Pipeline:
             ids,
             method=method,
             drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier,
-                                     datastore=datastore, phrase=phrase),
+                                     datastore=datastore, phrase=phrase, drafter=drafter),
             rule=self.ready_rule(rule),
             policy=policy or Constant(k),
             sampling=sampling,

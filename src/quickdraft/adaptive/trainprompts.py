@@ -71,50 +71,71 @@ def _signature(obj) -> str:
         return "(...)"
 
 
-def _tasks_of_module(name: str) -> list[str]:
+MAX_ANSWER_CHARS = 1500
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _pairs_of_module(name: str) -> list[tuple[str, str]]:
+    """(task, answer) for every documented public function and class of module ``name``; the
+    answer is the standard library's own: the source (implement tasks) or the whole docstring
+    (explain tasks), at most :data:`MAX_ANSWER_CHARS` characters."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             module = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a module missing on this platform is simply skipped
             return []
-    tasks = []
+    pairs: list[tuple[str, str]] = []
     for attr in sorted(vars(module)):
         if attr.startswith("_"):
             continue
         obj = getattr(module, attr)
         if getattr(obj, "__module__", None) != module.__name__:
             continue  # re-exports appear once, under their home module
-        doc = inspect.getdoc(obj) if (inspect.isfunction(obj) or inspect.isclass(obj)) else None
-        if not doc:
+        full_doc = inspect.getdoc(obj) if (inspect.isfunction(obj) or inspect.isclass(obj)) else None
+        if not full_doc:
             continue
-        doc = _clean_doc(doc)
+        doc = _clean_doc(full_doc)
         if len(doc) < MIN_DOC_CHARS:
             continue
         if attr in EXCLUDED_NAMES:
             continue
-        if inspect.isfunction(obj) and len(tasks) % 3 == 2:
-            tasks.append(
+        code = f"```python\n{_source(obj)[:MAX_ANSWER_CHARS]}```"
+        if inspect.isfunction(obj) and len(pairs) % 3 == 2:
+            pairs.append((
                 f"Explain to a beginner, in a short paragraph and one small example, what the Python "
-                f"function `{name}.{attr}` does and when to use it. Its documentation says:\n\n{doc}"
-            )
+                f"function `{name}.{attr}` does and when to use it. Its documentation says:\n\n{doc}",
+                full_doc[:MAX_ANSWER_CHARS]))
         elif inspect.isfunction(obj):
-            tasks.append(f"Implement the Python function `{name}.{attr}{_signature(obj)}`:\n\n{doc}")
+            pairs.append((f"Implement the Python function `{name}.{attr}{_signature(obj)}`:\n\n{doc}", code))
         else:
             methods = [m for m in sorted(vars(obj)) if not m.startswith("_") and inspect.isfunction(getattr(obj, m))][:6]
             listed = f" with the methods {', '.join(f'`{m}`' for m in methods)}" if methods else ""
-            tasks.append(f"Write the Python class `{name}.{attr}`{listed}:\n\n{doc}")
-    return tasks
+            pairs.append((f"Write the Python class `{name}.{attr}`{listed}:\n\n{doc}", code))
+    return pairs
+
+
+def task_answer_pairs() -> list[tuple[str, str]]:
+    """Every task of :func:`all_tasks` with the standard library's own answer (its source code, or
+    for explain tasks its whole docstring): a chat corpus with no generation (the feature drafter's
+    training text, :mod:`quickdraft.training.feature_drafter`)."""
+    pairs: list[tuple[str, str]] = []
+    with warnings.catch_warnings():  # reading deprecated attributes (typing.io, ...) warns
+        warnings.simplefilter("ignore")
+        for name in MODULES:
+            pairs.extend(_pairs_of_module(name))
+    return pairs
 
 
 def all_tasks() -> list[str]:
     """Every task, in module order (491 on CPython 3.11)."""
-    tasks: list[str] = []
-    with warnings.catch_warnings():  # reading deprecated attributes (typing.io, ...) warns
-        warnings.simplefilter("ignore")
-        for name in MODULES:
-            tasks.extend(_tasks_of_module(name))
-    return tasks
+    return [task for task, _ in task_answer_pairs()]
 
 
 def training_prompts(n: int, seed: int = 0) -> list[str]:

@@ -68,6 +68,9 @@ class ModelRunner:
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
         self.num_forwards = 0
         self.cache_arg = cache_argument(model)
+        #: keep the final hidden states of every forward's tokens (:attr:`recent_hidden`), for a
+        #: drafter that reads the target's features (:mod:`quickdraft.decoding.feature_drafter`)
+        self.record_hidden = False
         self.reset(0)
 
     # -- state -----------------------------------------------------------------------------------
@@ -76,6 +79,10 @@ class ModelRunner:
         self.slot_pos = torch.empty(batch_size, 0, dtype=torch.long, device=self.device)  # [B, L], -1 = hole
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # [B] valid tokens per row
         self.tree_start: int | None = None  # first slot of the open tree block (see begin_tree)
+        #: with ``record_hidden``: the last forward's final hidden states ``[B, m, H]`` and the position
+        #: of each column (``-1``: padding, or a tree node that was not kept)
+        self.recent_hidden: torch.Tensor | None = None
+        self.recent_positions: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -94,6 +101,7 @@ class ModelRunner:
         *,
         logits_to_keep: int = 0,
         output_hidden: bool = False,
+        features: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Append a block of tokens to every row and return their logits.
 
@@ -108,6 +116,9 @@ class ModelRunner:
             Return logits for the last ``logits_to_keep`` columns only (0 = all ``m``).
         output_hidden:
             Also return the final hidden states of the same columns.
+        features:
+            ``[B, m, H]`` passed to the model with the tokens (a feature drafter's input,
+            :mod:`quickdraft.decoding.feature_model`).
         """
         b, m = tokens.shape
         if b != self.batch_size:
@@ -134,9 +145,13 @@ class ModelRunner:
             use_cache=True,
             **{self.cache_arg: self.cache},
             logits_to_keep=logits_to_keep,
-            output_hidden_states=output_hidden,
+            output_hidden_states=output_hidden or self.record_hidden,
+            **({} if features is None else {"features": features.to(self.device)}),
         )
         self.cache = out[self.cache_arg]
+        if self.record_hidden:
+            self.recent_hidden = out.hidden_states[-1]
+            self.recent_positions = new_slot_pos
         self.lengths = self.lengths + valid.long().sum(dim=-1)
         self.num_forwards += 1
         logits = out.logits.float()
@@ -182,6 +197,7 @@ class ModelRunner:
         valid: torch.Tensor | None = None,
         *,
         output_hidden: bool = False,
+        features: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Append ``m`` tree nodes per row to the open tree block and return all their logits.
 
@@ -198,6 +214,8 @@ class ModelRunner:
             The diagonal is forced on. The committed prefix is visible wherever its slots are valid.
         valid:
             ``[B, m]`` bool; ``False`` marks padding nodes (their slots are holes from the start).
+        features:
+            As for :meth:`forward`.
 
         Worked example (one row, committed length 10): the tree ``root -> {a, b}, a -> {c}`` fed
         at once as ``[root, a, b, c]`` has depths ``[0, 1, 1, 2]`` (positions 10, 11, 11, 12) and the
@@ -243,9 +261,18 @@ class ModelRunner:
             position_ids=positions,
             use_cache=True,
             **{self.cache_arg: self.cache},
-            output_hidden_states=output_hidden,
+            output_hidden_states=output_hidden or self.record_hidden,
+            **({} if features is None else {"features": features.to(self.device)}),
         )
         self.cache = out[self.cache_arg]
+        if self.record_hidden:
+            # one session may feed several blocks (a draft's layers): keep them all, in slot order
+            fresh = out.hidden_states[-1]
+            fresh_pos = torch.where(valid, positions, -1)
+            if t and self.recent_hidden is not None and self.recent_hidden.shape[1] == t:
+                fresh = torch.cat([self.recent_hidden, fresh], dim=1)
+                fresh_pos = torch.cat([self.recent_positions, fresh_pos], dim=1)
+            self.recent_hidden, self.recent_positions = fresh, fresh_pos
         self.num_forwards += 1
         logits = out.logits.float()
         check_finite(logits[valid], f"the {self.name} model")
@@ -294,6 +321,11 @@ class ModelRunner:
                 idx = (start + index).view(b, 1, width, 1).expand(-1, states.shape[1], -1, states.shape[-1])
                 setattr(layer, name, torch.cat([states[:, :, :start], states.gather(2, idx)], dim=2))
         self.slot_pos = torch.cat([self.slot_pos[:, :start], torch.where(live, kept_pos, -1)], dim=1)
+        if self.record_hidden and self.recent_hidden is not None and self.recent_hidden.shape[1] == block_pos.shape[1]:
+            # the recorded tree block becomes the kept path
+            hidden = self.recent_hidden
+            self.recent_hidden = hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            self.recent_positions = torch.where(live, kept_pos, -1)
         self.lengths = self.lengths + counts
         self.tree_start = None
         self.truncate(self.lengths)  # crops the slots that are holes in every row

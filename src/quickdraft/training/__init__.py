@@ -1,0 +1,1 @@
+"""Training what drafts: the feature drafter (:mod:`quickdraft.training.feature_drafter`)."""

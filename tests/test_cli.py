@@ -116,6 +116,8 @@ def test_ersd_candidates_and_race_trees_from_the_command_line(tiny_pipeline):
         (["w1", "--stop", ""], "empty stop string"),
         (["w1 \udcff"], "prompt is not valid UTF-8"),
         (["w1", "--stop", "\udcff"], "stop string is not valid UTF-8"),
+        (["w1", "--drafter", "eagle"], "unknown drafter 'eagle'"),
+        (["w1", "--drafter", "feature", "--backend", "openvino"], "use --backend torch"),
     ],
 )
 def test_bad_generation_arguments_are_rejected_before_the_models_load(args, needle):

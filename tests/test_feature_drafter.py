@@ -241,3 +241,4 @@ def test_pipeline_drafts_with_features(tiny_target, trained):
     for method in ("sd", "tree"):
         out = pipe.generate("w1 w2 w3", method=method, drafter="feature", max_new_tokens=12, chat=False)
         assert out.completions[0].token_ids == plain.completions[0].token_ids
+        assert not pipe.target.record_hidden  # plain runs after it do not pay for the hidden states

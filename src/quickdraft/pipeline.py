@@ -523,21 +523,25 @@ class Pipeline:
                 on_text(row, text[printed[row]:])
                 printed[row] = len(text)
 
-        out = generate(
-            self.target,
-            ids,
-            method=method,
-            drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier,
-                                     datastore=datastore, phrase=phrase, drafter=drafter),
-            rule=self.ready_rule(rule),
-            policy=policy or Constant(k),
-            sampling=sampling,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            eos_token_ids=self.eos_ids(),
-            stop=stop if stop_strings else None,
-            on_tokens=on_tokens,
-        )
+        try:
+            out = generate(
+                self.target,
+                ids,
+                method=method,
+                drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier,
+                                         datastore=datastore, phrase=phrase, drafter=drafter),
+                rule=self.ready_rule(rule),
+                policy=policy or Constant(k),
+                sampling=sampling,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                eos_token_ids=self.eos_ids(),
+                stop=stop if stop_strings else None,
+                on_tokens=on_tokens,
+            )
+        finally:
+            if drafter == "feature":  # the target stops recording its hidden states
+                self.target.record_hidden = False
         completions = []
         for row, seq in enumerate(out.sequences):
             texts[row] = _cut_at_stop(decode(seq), stop_strings)

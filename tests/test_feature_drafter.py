@@ -242,3 +242,14 @@ def test_pipeline_drafts_with_features(tiny_target, trained):
         out = pipe.generate("w1 w2 w3", method=method, drafter="feature", max_new_tokens=12, chat=False)
         assert out.completions[0].token_ids == plain.completions[0].token_ids
         assert not pipe.target.record_hidden  # plain runs after it do not pay for the hidden states
+
+
+@pytest.mark.parametrize("args, needle", [(["--texts", "1"], "texts must be at least 2"),
+                                          (["--max-tokens", "4"], "max_tokens must be at least 8")])
+def test_train_drafter_rejects_bad_options_before_loading(args, needle):
+    from typer.testing import CliRunner
+
+    from quickdraft.cli import app
+
+    result = CliRunner().invoke(app, ["train-drafter", "--target", "/nonexistent/model/dir", *args])
+    assert result.exit_code == 2 and needle in result.output, result.output

@@ -121,11 +121,10 @@ class ModelDrafter:
         active: torch.Tensor,
     ) -> Draft:
         max_k = policy.begin_step()
-        ids, valid = pending_block(sequences, self.runner.lengths)
         tokens, dists, raws, kept = [], [], [], []
         forwards = 0
         for i in range(max_k):
-            out = self.runner.forward(ids, valid, logits_to_keep=1, output_hidden=policy.needs_hidden)
+            out = self.first_forward(sequences, policy) if i == 0 else self.next_forward(token, out, policy)
             forwards += 1
             logits = out.logits[:, -1]  # [B, V]
             logits = logits[:, : self.vocab_size]
@@ -143,7 +142,6 @@ class ModelDrafter:
             # meaningful at temperature 0, where ``probs`` is one-hot
             if i + 1 < max_k and not policy.keep_drafting(i, raw, hidden, token=token):
                 break
-            ids, valid = token.unsqueeze(1), torch.ones_like(token.unsqueeze(1), dtype=torch.bool)
         k = len(tokens)
         lengths = torch.where(active.to(self.runner.device), k, 0)
         return Draft(
@@ -154,6 +152,17 @@ class ModelDrafter:
             forwards=forwards,
             logits=torch.stack(kept, dim=1) if kept else None,
         )
+
+    def first_forward(self, sequences: list[list[int]], policy: Policy):
+        """The step's first draft forward: every row's tokens not fed yet (its last column drafts
+        the first token)."""
+        ids, valid = pending_block(sequences, self.runner.lengths)
+        return self.runner.forward(ids, valid, logits_to_keep=1, output_hidden=policy.needs_hidden)
+
+    def next_forward(self, token: torch.Tensor, out, policy: Policy):
+        """The forward that drafts the token after ``token`` ``[B]`` (``out``: the previous forward's)."""
+        return self.runner.forward(token.unsqueeze(1), torch.ones_like(token.unsqueeze(1), dtype=torch.bool),
+                                   logits_to_keep=1, output_hidden=policy.needs_hidden)
 
     def commit(self, sequences: list[list[int]], valid_prefix: torch.Tensor) -> None:
         """Keep the cached tokens that are still a prefix of the sequences (``valid_prefix [B]``)."""

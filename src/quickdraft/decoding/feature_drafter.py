@@ -30,17 +30,17 @@ from __future__ import annotations
 import torch
 
 from quickdraft.backends.runner import ModelRunner
-from quickdraft.decoding.drafters import Draft
+from quickdraft.decoding.drafters import ModelDrafter
 from quickdraft.decoding.policies import Policy
-from quickdraft.decoding.tree import TreeConfig, build_tree
-from quickdraft.decoding.tree_decoding import (
-    RACE_SCHEME, TreeDrafter, TreeProposal, TreeProposer, make_race_keys)
+from quickdraft.decoding.tree import TreeConfig
+from quickdraft.decoding.tree_decoding import TreeDrafter, TreeProposal, TreeProposer
 from quickdraft.errors import QuickdraftError
-from quickdraft.verification.rules import Rule, VerifyContext
-from quickdraft.verification.sampling import SamplingParams, logits_to_probs, raw_probs
+from quickdraft.verification.rules import Rule
+from quickdraft.verification.sampling import SamplingParams
 
 
-def _check_target(target) -> None:
+def require_torch_target(target) -> None:
+    """Raise unless ``target`` is a torch runner, the only kind that returns its hidden states."""
     if not isinstance(target, ModelRunner):
         raise QuickdraftError(
             f"the feature drafter reads the target's hidden states, which a {type(target).__name__} does not "
@@ -52,7 +52,7 @@ class FeatureState:
     cache holds with true features, and the true features not fed yet."""
 
     def __init__(self, runner: ModelRunner, target: ModelRunner) -> None:
-        _check_target(target)
+        require_torch_target(target)
         self.runner = runner
         self.target = target
         self.known: list[torch.Tensor] = []
@@ -146,9 +146,9 @@ class FeatureState:
         self.take_target_features()
 
 
-class FeatureDrafter:
-    """Chains from a feature drafter (method ``"feature"``): the first token from the pending true
-    pairs, each further one from the pair of the previous estimate and token.
+class FeatureDrafter(ModelDrafter):
+    """Chains from a feature drafter: the first token from the pending true pairs, each further
+    one from the pair of the previous estimate and token (:class:`ModelDrafter`'s drafting loop).
 
     Parameters
     ----------
@@ -163,9 +163,8 @@ class FeatureDrafter:
     name = "feature"
 
     def __init__(self, runner: ModelRunner, target: ModelRunner, vocab_size: int) -> None:
+        super().__init__(runner, vocab_size)
         self.state = FeatureState(runner, target)
-        self.runner = runner
-        self.vocab_size = int(vocab_size)
 
     def start(self, sequences: list[list[int]]) -> None:
         self.state.start(sequences)
@@ -173,34 +172,15 @@ class FeatureDrafter:
     def prefill(self, sequences: list[list[int]]) -> None:
         self.state.prefill(sequences)
 
-    def propose(self, sequences: list[list[int]], policy: Policy, rule: Rule, sampling: SamplingParams,
-                ctx: VerifyContext, active: torch.Tensor) -> Draft:
+    def first_forward(self, sequences: list[list[int]], policy: Policy):
         if getattr(policy, "needs_hidden", False):
             raise QuickdraftError(f"policy {policy.name!r} reads a draft model's hidden state; the feature drafter "
                                   "has none of that kind")
-        max_k = policy.begin_step()
-        needs_raw = getattr(rule, "needs_raw", False)
-        out = self.state.feed_pending(sequences)
-        tokens, dists, raws = [], [], []
-        for i in range(max_k):
-            logits = out.logits[:, -1, : self.vocab_size]
-            probs = logits_to_probs(logits, sampling)
-            token = rule.propose(probs, ctx, offset=i)
-            tokens.append(token)
-            dists.append(probs)
-            raw = raw_probs(logits) if needs_raw or i + 1 < max_k else None
-            if needs_raw:
-                raws.append(raw)
-            if i + 1 == max_k or not policy.keep_drafting(i, raw, None, token=token):
-                break
-            out = self.runner.forward(token.unsqueeze(1), None, logits_to_keep=1, output_hidden=True,
-                                      features=out.hidden[:, -1:])
-        k = len(tokens)
-        return Draft(
-            ids=torch.stack(tokens, dim=1), probs=torch.stack(dists, dim=1),
-            lengths=torch.where(active.to(self.runner.device), k, 0),
-            raw_probs=torch.stack(raws, dim=1) if raws else None, forwards=k,
-        )
+        return self.state.feed_pending(sequences)
+
+    def next_forward(self, token: torch.Tensor, out, policy: Policy):
+        return self.runner.forward(token.unsqueeze(1), None, logits_to_keep=1, output_hidden=True,
+                                   features=out.hidden[:, -1:])
 
     def commit(self, sequences: list[list[int]], valid_prefix: torch.Tensor) -> None:
         self.state.commit()
@@ -215,7 +195,7 @@ class FeatureTreeDrafter(TreeDrafter):
 
     def __init__(self, runner: ModelRunner, target: ModelRunner, vocab_size: int, config: TreeConfig = TreeConfig(),
                  verifier: str = "rrs") -> None:
-        _check_target(target)
+        require_torch_target(target)
         super().__init__(runner, vocab_size, config, verifier)
         self.target = target
 
@@ -237,14 +217,13 @@ class FeatureTreeProposer(TreeProposer):
     def prefill(self, sequences: list[list[int]]) -> None:
         self.state.prefill(sequences)
 
-    def propose(self, sequences, active, cap, ctx) -> "FeatureTreeProposal":
-        draft, vocab = self.runner, self.drafter.vocab_size
-        config = self.config.capped(cap)
-        forwards_before = draft.num_forwards
+    def begin(self, sequences: list[list[int]]):
+        """Feed the pending true pairs; a frontier node pairs its token with its parent's estimate
+        (a depth-1 node with the root's)."""
+        draft = self.runner
         out = self.state.feed_pending(sequences)
-        root_logits = out.logits[:, -1, :vocab].cpu()
+        root_logits = out.logits[:, -1, : self.drafter.vocab_size].cpu()
         root_g = out.hidden[:, -1]  # [B, H] the estimate every depth-1 node pairs with
-        roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
         draft.begin_tree()
         fed_g: list[torch.Tensor] = []  # estimates of the tree block's slots, in slot order
 
@@ -263,17 +242,7 @@ class FeatureTreeProposer(TreeProposer):
             fed_g.append(res.hidden)
             return res.logits.cpu()
 
-        keys = None
-        if self.race is not None:
-            keys = make_race_keys(
-                self.race.seed, ctx.extra["row_ids"].cpu().unsqueeze(1),
-                ctx.positions.cpu().unsqueeze(1) + torch.arange(config.tree_depth + 1),
-            )
-        tree = build_tree(
-            roots, root_logits, expand, config, self.sampling, ctx.generator, keep_raw=self.fuzzy is not None,
-            race_keys=None if keys is None or config.scheme != RACE_SCHEME else keys[:, :-1],
-        )
-        return FeatureTreeProposal(tree, keys, config.tree_depth, draft.num_forwards - forwards_before, self)
+        return root_logits, expand
 
 
 class FeatureTreeProposal(TreeProposal):
@@ -287,3 +256,6 @@ class FeatureTreeProposal(TreeProposal):
         b = runner.batch_size
         runner.commit_tree(torch.zeros((b, 0), dtype=torch.long), torch.zeros(b, dtype=torch.long))
         self.proposer.state.commit()
+
+
+FeatureTreeProposer.proposal_type = FeatureTreeProposal

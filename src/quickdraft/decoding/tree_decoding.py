@@ -276,21 +276,27 @@ class TreeProposer:
     def prefill(self, sequences: list[list[int]]) -> None:
         self.model.prefill(sequences)
 
-    def propose(self, sequences, active, cap, ctx) -> "TreeProposal":
-        """The draft reads its pending tokens, then grows a tree no deeper than ``cap`` (at least
-        one layer)."""
-        draft, vocab = self.runner, self.drafter.vocab_size
-        config = self.config.capped(cap)
-        forwards_before = draft.num_forwards
+    def begin(self, sequences: list[list[int]]):
+        """Feed the draft its pending tokens and open its tree session; returns the draft's logits
+        after each row's root ``[B, V]`` (on the host, where the tree is built) and the
+        :data:`quickdraft.decoding.tree.ExpandFn` that feeds it a frontier."""
+        draft = self.runner
         pend_ids, pend_valid = pending_block(sequences, draft.lengths)
-        # the tree is built on the host: the draft's logits come back from its device
-        root_logits = draft.forward(pend_ids, pend_valid, logits_to_keep=1).logits[:, -1, :vocab].cpu()
-        roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
+        root_logits = draft.forward(pend_ids, pend_valid, logits_to_keep=1).logits[:, -1, : self.drafter.vocab_size].cpu()
         draft.begin_tree()
 
         def expand(tokens, depths, mask, valid):
             return draft.forward_tree(tokens, depths, mask, valid).logits.cpu()
 
+        return root_logits, expand
+
+    def propose(self, sequences, active, cap, ctx) -> "TreeProposal":
+        """The draft reads its pending tokens (:meth:`begin`), then grows a tree no deeper than
+        ``cap`` (at least one layer)."""
+        config = self.config.capped(cap)
+        forwards_before = self.runner.num_forwards
+        root_logits, expand = self.begin(sequences)
+        roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
         keys = None
         if self.race is not None:  # [B, D + 1] noise of the positions after depth-0 … D nodes, by row id
             keys = make_race_keys(
@@ -301,7 +307,7 @@ class TreeProposer:
             roots, root_logits, expand, config, self.sampling, ctx.generator, keep_raw=self.fuzzy is not None,
             race_keys=None if keys is None or config.scheme != RACE_SCHEME else keys[:, :-1],
         )
-        return TreeProposal(tree, keys, config.tree_depth, draft.num_forwards - forwards_before, self)
+        return self.proposal_type(tree, keys, config.tree_depth, self.runner.num_forwards - forwards_before, self)
 
 
 class TreeProposal:
@@ -350,6 +356,9 @@ class TreeProposal:
         on_path = torch.arange(node_slots.shape[1]).unsqueeze(0) < walk.num_accepted.unsqueeze(1)
         fed_prefix = ((node_slots >= 0) & on_path).long().cumprod(dim=1).sum(dim=1)
         self.proposer.runner.commit_tree(node_slots.clamp_min(0), torch.where(active, fed_prefix, 0))
+
+
+TreeProposer.proposal_type = TreeProposal  # what propose() returns; a subclass may return its own
 
 
 def generate_tree(

@@ -174,7 +174,6 @@ def main() -> None:
                             rule=spec.rule, sampling=sampling, max_new_tokens=args.max_new_tokens, seed=0,
                             tree=spec.tree, verifier=spec.verifier, drafter=cfg["drafter"])
         wall = time.perf_counter() - t
-        pipe.target.record_hidden = False
         return out, wall
 
     # warm-up: one short run of every row

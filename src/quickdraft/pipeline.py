@@ -305,11 +305,10 @@ class Pipeline:
         ``quickdraft train-drafter``; default: the one in the target's cache entry) for
         ``drafter="feature"``; ``head_vocab`` overrides its head cut (0: the whole head). The torch
         backend only: the drafter reads the target's hidden states."""
+        from quickdraft.decoding.feature_drafter import require_torch_target
         from quickdraft.decoding.feature_model import FeatureDraftModel, default_drafter_dir
 
-        if not isinstance(self.target, ModelRunner):
-            raise QuickdraftError("the feature drafter reads the target's hidden states: load the pipeline with "
-                                  "backend torch")
+        require_torch_target(self.target)
         if path is None:
             path = default_drafter_dir(getattr(self.target_model, "name_or_path", None) or "target")
         model, _ = FeatureDraftModel.load(path, self.target_model, head_vocab=head_vocab,

@@ -132,6 +132,14 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
+def triple_counts(sequences: list[list[int]], vocab: int) -> np.ndarray:
+    """Counts ``[V, V, V]`` of the first three tokens of every sequence (against :func:`exact_triples`)."""
+    seqs = np.array([s[:3] for s in sequences])
+    counts = np.zeros((vocab, vocab, vocab))
+    np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
+    return counts
+
+
 def exact_triples(model, prompt: list[int], params) -> np.ndarray:
     """``p(t1) p(t2 | t1) p(t3 | t1, t2)`` of ``model`` after ``prompt`` under sampling ``params``,
     ``[V, V, V]`` (for small vocabularies: one batched forward over all ``V²`` two-token contexts)."""

@@ -24,7 +24,7 @@ from quickdraft.verification.rules import Fuzzy, Lossless
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 
-from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, word_tokenizer
+from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, triple_counts, word_tokenizer
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
@@ -170,9 +170,7 @@ def test_amusd_sampling_matches_the_target(one_thread):
         drafter.proposer = lambda policy, rule, sampling: proposer(drafter, policy, rule, sampling)
         out = generate(target, [prompt] * n, method="amusd", drafter=drafter, rule=rule, policy=Constant(2),
                        sampling=params, max_new_tokens=4, seed=17)
-        seqs = np.array([s[:3] for s in out.sequences])
-        counts = np.zeros((v, v, v))
-        np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
+        counts = triple_counts(out.sequences, v)
         return counts, out.batch_metrics
 
     counts, m = run()

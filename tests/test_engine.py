@@ -14,7 +14,7 @@ from quickdraft.verification.rules import Greedy, Lossless
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams, logits_to_probs, sample
 
-from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, exact_triples, tiny_lm
+from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, exact_triples, tiny_lm, triple_counts
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 
@@ -141,9 +141,7 @@ def test_ngram_sampling_matches_the_target(one_thread):
     def run(rule):
         out = generate(target, [prompt] * n, method="ngram", drafter=NGramDrafter(v, max_ngram=2, min_ngram=2),
                        rule=rule, policy=Constant(3), sampling=params, max_new_tokens=3, seed=17)
-        seqs = np.array(out.sequences)
-        counts = np.zeros((v, v, v))
-        np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
+        counts = triple_counts(out.sequences, v)
         return counts, out.batch_metrics
 
     counts, metrics = run(Lossless())

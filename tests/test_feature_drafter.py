@@ -4,13 +4,12 @@ control that must fail), training improves it, files round-trip, and bad uses fa
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.decoding.engine import generate
-from quickdraft.decoding.feature_drafter import FeatureDrafter, FeatureTreeDrafter
+from quickdraft.decoding.feature_drafter import FeatureDrafter, FeatureState, FeatureTreeDrafter
 from quickdraft.decoding.feature_model import FeatureDraftModel, FeatureDrafterMeta
 from quickdraft.decoding.policies import Constant
 from quickdraft.decoding.tree import TreeConfig
@@ -21,7 +20,7 @@ from quickdraft.training.feature_drafter import FeatureTrainConfig, init_from_ta
 from quickdraft.verification.rules import Lossless
 from quickdraft.verification.sampling import SamplingParams
 
-from conftest import chi_square_pvalue, exact_triples, tiny_lm, word_tokenizer
+from conftest import chi_square_pvalue, exact_triples, tiny_lm, triple_counts, word_tokenizer
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 10], [3]]
 
@@ -69,7 +68,7 @@ def from_scratch_logits(model: FeatureDraftModel, target, seq: list[int]) -> tor
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_state_after_every_step_equals_a_drafter_fed_from_scratch(tiny_target, trained, tree):
+def test_state_after_every_step_equals_a_drafter_fed_from_scratch(tiny_target, trained, tree, monkeypatch):
     """Whatever was accepted or rejected, the first draft distribution of every step equals the
     one of a drafter that reads every true pair of the sequence at once (three rows of different
     lengths, one a single token; rows still running)."""
@@ -79,27 +78,14 @@ def test_state_after_every_step_equals_a_drafter_fed_from_scratch(tiny_target, t
     drafter = (FeatureTreeDrafter(runner, target, 64, TreeConfig(depth=3, topk=2, budget=5)) if tree
                else FeatureDrafter(runner, target, 64))
     seen = []
-    make = drafter.proposer if tree else None
-    if tree:
-        def proposer(policy, rule, sampling):
-            p = make(policy, rule, sampling)
-            feed = p.state.feed_pending
+    feed = FeatureState.feed_pending
 
-            def recording(sequences):
-                out = feed(sequences)
-                seen.append(([list(s) for s in sequences], out.logits[:, -1].float().clone()))
-                return out
-            p.state.feed_pending = recording
-            return p
-        drafter.proposer = proposer
-    else:
-        feed = drafter.state.feed_pending
+    def recording(state, sequences):
+        out = feed(state, sequences)
+        seen.append(([list(s) for s in sequences], out.logits[:, -1].float().clone()))
+        return out
 
-        def recording(sequences):
-            out = feed(sequences)
-            seen.append(([list(s) for s in sequences], out.logits[:, -1].float().clone()))
-            return out
-        drafter.state.feed_pending = recording
+    monkeypatch.setattr(FeatureState, "feed_pending", recording)
     out = generate(target, PROMPTS, method="tree" if tree else "sd", drafter=drafter, policy=Constant(3),
                    max_new_tokens=16)
     assert len(seen) > 3 and out.batch_metrics.accepted_tokens > 0
@@ -169,9 +155,7 @@ def test_sampling_follows_the_target(one_thread):
         drafter = FeatureDrafter(ModelRunner(drafter_model), target, v)
         out = generate(target, [prompt] * n, method="sd", drafter=drafter, rule=rule, policy=Constant(3),
                        sampling=params, max_new_tokens=3, seed=11)
-        seqs = np.array([s[:3] for s in out.sequences])
-        counts = np.zeros((v, v, v))
-        np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
+        counts = triple_counts(out.sequences, v)
         return counts, out.batch_metrics
 
     counts, metrics = run(Lossless())

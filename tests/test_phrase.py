@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,7 +20,7 @@ from quickdraft.verification.rules import Greedy, Lossless
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 
-from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, word_tokenizer
+from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, triple_counts, word_tokenizer
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)
 
 
@@ -145,9 +144,7 @@ def test_phrase_sd_sampling_matches_the_target(one_thread):
                                 PhraseConfig(max_phrase=1, max_draft=3))
         out = generate(target, [prompt] * n, method="phrase_sd", drafter=drafter, rule=rule, policy=Constant(3),
                        sampling=params, max_new_tokens=4, seed=17)
-        seqs = np.array([s[:3] for s in out.sequences])
-        counts = np.zeros((v, v, v))
-        np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
+        counts = triple_counts(out.sequences, v)
         return counts, out.batch_metrics, drafter
 
     counts, metrics, drafter = run(Lossless())

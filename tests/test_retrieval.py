@@ -23,7 +23,7 @@ from quickdraft.verification.rules import Greedy, Lossless
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 
-from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, tiny_lm, word_tokenizer
+from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, tiny_lm, triple_counts, word_tokenizer
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)
 
 
@@ -240,9 +240,7 @@ def test_rest_sampling_matches_the_target(one_thread, method):
                                         lookup_k=3)
         out = generate(target, [prompt] * n, method=method, drafter=drafter, rule=rule, policy=Constant(3),
                        sampling=params, max_new_tokens=3, seed=17)
-        seqs = np.array(out.sequences)
-        counts = np.zeros((v, v, v))
-        np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
+        counts = triple_counts(out.sequences, v)
         return counts, out.batch_metrics
 
     counts, metrics = run(Lossless())

@@ -13,7 +13,9 @@ from quickdraft.decoding.drafters import ModelDrafter
 from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.policies import Confidence, Constant, Heuristic, SpecDecPP
-from quickdraft.adaptive.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, walk
+from quickdraft.adaptive.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, race_proposer, walk
+from quickdraft.verification.rules import ExponentialRace
+from quickdraft.verification.sampling import SamplingParams
 from quickdraft.backends.runner import ModelRunner
 
 from conftest import TINY_VOCAB
@@ -67,10 +69,10 @@ def test_clairvoyant_equals_brute_force_and_beats_every_fixed_k(seed):
     assert min(walk(n, match, lambda j, c=c: c[j], COST).seconds for c in choices) == pytest.approx(best.seconds)
 
 
-def _engine_run(target_model, draft_model, prompt, policy, n):
+def _engine_run(target_model, draft_model, prompt, policy, n, rule=None, sampling=SamplingParams(temperature=0.0)):
     out = generate(ModelRunner(target_model, "target"), [prompt], method="sd",
                    drafter=ModelDrafter(ModelRunner(draft_model, "draft"), TINY_VOCAB), policy=policy,
-                   max_new_tokens=n)
+                   rule=rule, sampling=sampling, max_new_tokens=n)
     return out.sequences[0], out.batch_metrics
 
 
@@ -108,6 +110,54 @@ def test_replay_reproduces_the_engine_step_by_step(tiny_target, tiny_draft, prom
     assert (r.steps, r.drafted) == (metrics.steps, metrics.drafted_tokens)
 
 
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_ersd_replay_reproduces_the_engine_at_temperature(tiny_target, tiny_draft, seed):
+    """ERSD is drafter-invariant: at T = 0.8 every policy emits the same text, and the race chains
+    replay the engine's steps and drafted tokens exactly."""
+    prompt, n, max_k = [1, 2, 3, 4, 5], 40, 8
+    rule = ExponentialRace(seed=seed)
+    factories = _factories(tiny_draft)
+    output, _ = _engine_run(tiny_target, tiny_draft, prompt, Constant(2), n, rule, SAMPLED)
+    table = draft_chains(ModelRunner(tiny_draft, "draft"), prompt, output, factories, max_k, TINY_VOCAB,
+                         propose=race_proposer(seed, SAMPLED))
+    assert 0 < sum(m > 0 for m in table.match) < n  # the race chains hit and miss
+    greedy_out, _ = _engine_run(tiny_target, tiny_draft, prompt, Constant(2), n)
+    assert output != greedy_out  # really sampled
+    for name, make in factories.items():
+        seq, metrics = _engine_run(tiny_target, tiny_draft, prompt, make(), n, rule, SAMPLED)
+        assert seq == output, name
+        r = walk(n, table.match, lambda j, s=table.stops[name]: s[j])
+        assert (r.steps, r.drafted) == (metrics.steps, metrics.drafted_tokens), name
+    # negative control: the chains of another seed's race do not replay this run
+    other = draft_chains(ModelRunner(tiny_draft, "draft"), prompt, output, {"k3": lambda: Constant(3)}, max_k,
+                         TINY_VOCAB, propose=race_proposer(seed + 1, SAMPLED))
+    _, metrics = _engine_run(tiny_target, tiny_draft, prompt, Constant(3), n, rule, SAMPLED)
+    r = walk(n, other.match, lambda j: 3)
+    assert (r.steps, r.accepted) != (metrics.steps, metrics.accepted_tokens)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_chains_drafted_in_batch_rows_equal_one_at_a_time(tiny_target, tiny_draft, sampled):
+    prompt, n, max_k = [1, 2, 3, 4, 5], 30, 8
+    sampling = SAMPLED if sampled else SamplingParams(temperature=0.0)
+    rule = ExponentialRace(seed=2) if sampled else None
+    output, _ = _engine_run(tiny_target, tiny_draft, prompt, Constant(2), n, rule, sampling)
+    propose = race_proposer(2, sampling) if sampled else None
+    runner = ModelRunner(tiny_draft, "draft")
+    one = draft_chains(runner, prompt, output, _factories(tiny_draft), max_k, TINY_VOCAB, propose=propose)
+    for rows in (4, 7, 64):  # groups that do not divide n, and one group for all starts
+        many = draft_chains(runner, prompt, output, _factories(tiny_draft), max_k, TINY_VOCAB, propose=propose,
+                            rows=rows)
+        assert (many.match, many.stops) == (one.match, one.stops), rows
+        assert many.forwards == one.forwards
+    assert len(set(one.match)) > 2 and len(set(one.stops["specdecpp"])) > 1  # not a degenerate table
+    with pytest.raises(QuickdraftError, match="rows"):
+        draft_chains(runner, prompt, output, _factories(tiny_draft), max_k, TINY_VOCAB, rows=0)
+
+
 def test_replay_step_counts_differ_when_the_chain_is_wrong(tiny_target, tiny_draft):
     """Negative control: the replay of one output's chains does not fit another output."""
     prompt, n = [1, 2, 3, 4, 5], 40
@@ -128,3 +178,20 @@ def test_measure_step_cost_times_every_size_and_restores_the_caches(tiny_target,
     cost.step(4)  # a 5-token verification has a time
     with pytest.raises(QuickdraftError, match="max_k"):
         measure_step_cost(target, draft, context[:4], max_k=4)
+
+
+def test_select_rows_forks_rows_that_continue_like_their_source(tiny_draft):
+    runner = ModelRunner(tiny_draft, "draft")
+    prompts = torch.tensor([[0, 0, 1, 2, 3], [4, 5, 6, 7, 8]])
+    runner.reset(2)
+    runner.forward(prompts, torch.tensor([[False, False, True, True, True], [True] * 5]))
+    runner.select_rows([1, 1, 0])
+    assert runner.lengths.tolist() == [5, 5, 3]
+    forked = runner.forward(torch.tensor([[9], [9], [9]]), logits_to_keep=1).logits[:, -1]
+    for row, prompt in ((0, [4, 5, 6, 7, 8, 9]), (1, [4, 5, 6, 7, 8, 9]), (2, [1, 2, 3, 9])):
+        alone = ModelRunner(tiny_draft, "draft")
+        alone.reset(1)
+        ref = alone.forward(torch.tensor([prompt]), logits_to_keep=1).logits[0, -1]
+        torch.testing.assert_close(forked[row], ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(QuickdraftError, match="out of range"):
+        runner.select_rows([3])

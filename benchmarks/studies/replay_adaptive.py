@@ -1,18 +1,25 @@
-"""Adaptive draft length at temperature 0, by exact replay (``quickdraft.adaptive.replay``).
+"""Adaptive draft length by exact replay (``quickdraft.adaptive.replay``), at T = 0 and, with ERSD, at T > 0.
 
 At T = 0 the output does not depend on the draft length, so one greedy output per prompt and the
 draft's greedy chain from every position of it decide the steps, drafted and accepted tokens of
-*every* policy exactly (``tests/test_replay.py`` checks this against the engine). With measured
+*every* policy exactly (``tests/test_replay.py`` checks this against the engine). At T > 0 the
+same holds for ERSD (``--temperature 0.7``: the lossless exponential-race rule, whose output is the
+target's race sample for the seed whatever the draft length, and whose draft chains are the draft's
+race winners); the Leviathan rule's output depends on the draft length, so it cannot be replayed. With measured
 forward times (``measure_step_cost``) each run also gets a modelled decode time. This compares
 every fixed K, every threshold of Confidence and SpecDec++, Heuristic and the clairvoyant optimum
 (the best per-step draft length knowing where the draft goes wrong) on more prompts than the
 wall-clock benchmark can afford, without its run-to-run noise, and tells how much any draft-length
 policy could gain over the best fixed K on this pair at all.
 
-Outputs: the T = 0 outputs recorded by ``bench_adaptive.py`` (``--measured``), plus greedy outputs
-generated here for further prompts (``--prompts`` per dataset in total). The measured records also
-validate the replay: replayed steps and drafted tokens against the engine's, and modelled against
-measured tokens/s per configuration.
+Outputs: the T = 0 outputs recorded by ``bench_adaptive.py`` (``--measured``), plus outputs
+generated here (``sd`` with K = 4, timed) for further prompts (``--prompts`` per dataset in total).
+The measured records also validate the replay: replayed steps and drafted tokens against the
+engine's, and modelled against measured tokens/s per configuration. The per-step overhead of the
+time model is fitted on the measured fixed-K runs, or, without them, on the generation runs here.
+
+Several heads (``--head LABEL=PATH``, repeated) are replayed side by side: each gets its own
+SpecDec++ thresholds under its label.
 
 Selection is honest: besides the in-sample best (best fixed K and best threshold chosen on the same
 prompts, as in the wall-clock benchmark), ``heldout`` chooses K and the threshold on half of the
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,9 +47,18 @@ from quickdraft.decoding.engine import generate
 from quickdraft.decoding.head import load_head
 from quickdraft.pipeline import Pipeline
 from quickdraft.decoding.policies import Confidence, Constant, Heuristic, SpecDecPP
-from quickdraft.adaptive.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, walk
+from quickdraft.adaptive.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, race_proposer, walk
 from quickdraft.evaluation.report import plot_adaptive_replay
+from quickdraft.verification.rules import ExponentialRace
 from quickdraft.verification.sampling import SamplingParams
+
+
+def machine(threads: int) -> dict:
+    """The CPU's model name and vector / matrix ISA flags (``lscpu``), and the threads used."""
+    fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
+                                                                  timeout=10).stdout.splitlines() if ":" in line)
+    flags = sorted(f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma")))
+    return {"cpu_model": fields.get("Model name", "").strip(), "isa_flags": flags, "threads": threads}
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,18 +68,36 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-k", type=int, default=10)
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     ap.add_argument("--p-min", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
-    ap.add_argument("--head", default="models/heads/specdecpp-qwen2.5-coder-0.5b-t0.pt")
+    ap.add_argument("--head", action="append", default=None, metavar="LABEL=PATH",
+                    help="SpecDec++ head, repeated (default: specdecpp=the committed T = 0 head)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: ERSD at this temperature")
+    ap.add_argument("--seed", type=int, default=0, help="ERSD seed (T > 0)")
     ap.add_argument("--measured", default="benchmarks/results/adaptive_default_pair_t0_3prompts.json",
-                    help="bench_adaptive.py result at T = 0 whose outputs are reused and whose records validate")
+                    help="bench_adaptive.py result at T = 0 whose outputs are reused and whose records validate "
+                         "('' for none; ignored at T > 0)")
+    ap.add_argument("--rows", type=int, default=16, help="chains drafted at once (draft_chains rows)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7, help="timings per forward size (median)")
     ap.add_argument("--out", default="benchmarks/results/adaptive_replay_t0.json")
     return ap.parse_args()
 
 
-def policy_factories(args, head, max_k) -> dict:
+def parse_heads(specs: list[str] | None) -> dict[str, str]:
+    specs = specs or ["specdecpp=models/heads/specdecpp-qwen2.5-coder-0.5b-t0.pt"]
+    heads = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path or "_" in label:
+            raise SystemExit(f"--head wants LABEL=PATH with a label without '_', got {spec!r}")
+        heads[label] = path
+    return heads
+
+
+def policy_factories(args, heads, max_k) -> dict:
     f = {f"confidence_p{p:g}": (lambda p=p: Confidence(p_min=p, max_k=max_k)) for p in args.p_min}
-    f.update({f"specdecpp_h{h:g}": (lambda h=h: SpecDecPP(head, threshold=h, max_k=max_k)) for h in args.thresholds})
+    for label, head in heads.items():
+        f.update({f"{label}_h{h:g}": (lambda h=h, head=head: SpecDecPP(head, threshold=h, max_k=max_k))
+                  for h in args.thresholds})
     return f
 
 
@@ -85,7 +120,7 @@ def best_of(cell: dict[str, float], prefix: str) -> str:
     return max((n for n in cell if n.startswith(prefix)), key=cell.get)
 
 
-def summarise(outputs: list[dict]) -> dict:
+def summarise(outputs: list[dict], prefixes: list[str]) -> dict:
     names = list(outputs[0]["runs"])
     cell = {n: tokens_per_s([o["runs"][n] for o in outputs]) for n in names}
     steps = {n: sum(o["runs"][n]["steps"] for o in outputs) for n in names}
@@ -103,22 +138,24 @@ def summarise(outputs: list[dict]) -> dict:
                         "accepted_per_step": accepted[n] / steps[n]} for n in names},
         "best_fixed": fixed,
     }
-    for prefix in ("specdecpp", "confidence"):
-        b = best_of(cell, prefix)
+    for prefix in prefixes:
+        b = best_of(cell, prefix + "_")
         out[f"best_{prefix}"] = b
         out[f"best_{prefix}_gain"] = cell[b] / base - 1
     out["clairvoyant_gain"] = cell["clairvoyant"] / base - 1
+    for prefix in prefixes:  # the share of the clairvoyant gain captured (the goal: at least half)
+        out[f"best_{prefix}_share_of_clairvoyant"] = out[f"best_{prefix}_gain"] / out["clairvoyant_gain"]
     out["heuristic_gain"] = cell["heuristic"] / base - 1
     # held-out: choose on one fold, score on the other
     folds = [outputs[0::2], outputs[1::2]]
-    held: dict[str, list] = {"specdecpp": [], "confidence": []}
+    held: dict[str, list] = {prefix: [] for prefix in prefixes}
     if all(folds):
         for pick, score in ((folds[0], folds[1]), (folds[1], folds[0])):
             c_pick = {n: tokens_per_s([o["runs"][n] for o in pick]) for n in names}
             c_score = {n: tokens_per_s([o["runs"][n] for o in score]) for n in names}
             k = best_of(c_pick, "fixed_k")
             for prefix in held:
-                b = best_of(c_pick, prefix)
+                b = best_of(c_pick, prefix + "_")
                 held[prefix].append({"chosen_fixed": k, "chosen": b, "gain": c_score[b] / c_score[k] - 1,
                                      "clairvoyant_gain": c_score["clairvoyant"] / c_score[k] - 1})
         out["heldout"] = held
@@ -149,6 +186,8 @@ def validate(measured: dict, replays: dict[str, dict]) -> dict:
     out = {"runs_compared": total, "steps_and_drafted_equal": exact, "mismatches": mismatches, "per_config": rows}
     for ds in {k.split("/")[0] for k in rows}:
         keys = [k for k in rows if k.startswith(ds + "/")]
+        if len(keys) < 3:  # a rank correlation needs configurations to rank
+            continue
         rho = spearmanr([rows[k]["measured_tokens_per_s"] for k in keys], [rows[k]["model_tokens_per_s"] for k in keys])
         ratios = [rows[k]["model_over_measured"] for k in keys]
         out[f"{ds}_spearman"] = float(rho.statistic)
@@ -160,10 +199,17 @@ def main() -> None:
     args = parse_args()
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
+    sampled = args.temperature > 0
+    sampling = SamplingParams(temperature=args.temperature)
+    rule = ExponentialRace(seed=args.seed) if sampled else None
     pipe = Pipeline.from_specs("target", "draft", dtype="float32")
-    head = load_head(args.head, draft_name="draft")
-    head.check_draft(pipe.draft_model, "the default draft")
-    measured = json.loads(Path(args.measured).read_text())
+    heads = {}
+    for label, path in parse_heads(args.head).items():
+        heads[label] = load_head(path, draft_name="draft")
+        heads[label].check_draft(pipe.draft_model, "the default draft")
+    measured = {"records": []}
+    if args.measured and not sampled:
+        measured = json.loads(Path(args.measured).read_text())
     known = {}
     for rec in measured["records"]:
         if rec["temperature"] == 0:
@@ -176,9 +222,11 @@ def main() -> None:
     cost = measure_step_cost(pipe.target, pipe.draft, ctx, args.max_k, repeats=args.repeats)
     print(f"step cost: target {['%.3f' % t for t in cost.target]}  draft {cost.draft:.4f}", flush=True)
 
-    factories = policy_factories(args, head, args.max_k)
+    factories = policy_factories(args, heads, args.max_k)
+    propose = race_proposer(args.seed, sampling) if sampled else None
     outputs: dict[str, list[dict]] = {ds: [] for ds in prompts}
     replays: dict[str, dict] = {}
+    generated: list[dict] = []  # timed engine runs (sd, K = 4) for the overhead fit without measured records
     for ds, plist in prompts.items():
         for pid, ids in plist:
             t0 = time.perf_counter()
@@ -187,23 +235,30 @@ def main() -> None:
             if tokens is None:
                 source = "generated"
                 out = generate(pipe.target, [ids], method="sd", drafter=ModelDrafter(pipe.draft, pipe.vocab_size),
-                               policy=Constant(4), sampling=SamplingParams(temperature=0.0),
+                               rule=rule, policy=Constant(4), sampling=sampling, seed=args.seed,
                                max_new_tokens=args.max_new_tokens, eos_token_ids=pipe.eos_ids())
                 tokens = out.sequences[0]
-            table = draft_chains(pipe.draft, ids, tokens, factories, args.max_k, pipe.vocab_size)
+                bm = out.batch_metrics
+                generated.append({"prompt_id": pid, "dataset": ds, "config": "fixed_k4", "steps": bm.steps,
+                                  "new_tokens": len(tokens),
+                                  "drafted": bm.drafted_tokens, "decode_seconds": bm.decode_seconds})
+            table = draft_chains(pipe.draft, ids, tokens, factories, args.max_k, pipe.vocab_size,
+                                 propose=propose, rows=args.rows)
             runs = replay_output(len(tokens), table, cost, args)
             replays[pid] = runs
             outputs[ds].append({"prompt_id": pid, "source": source, "new_tokens": len(tokens),
-                                "match": table.match, "runs": runs})
+                                "tokens": list(tokens), "match": table.match, "runs": runs})
             print(f"[{time.perf_counter() - t_start:6.0f}s] {ds} {pid} ({source}, {len(tokens)} tokens, "
                   f"{table.forwards} draft forwards, {time.perf_counter() - t0:.0f}s)", flush=True)
 
-    # per-step overhead (sampling, bookkeeping, cache truncation) fitted on the measured fixed-K runs:
-    # median of (measured - forwards-only model) / steps
+    # per-step overhead (sampling, bookkeeping, cache truncation): median of (measured - forwards-only
+    # model) / steps over the measured fixed-K runs, or over this run's generation runs without them
+    fit_on = [r for r in measured["records"] if r["config"].startswith("fixed_k")] or generated
+    fit_source = "measured fixed-K runs" if measured["records"] else "this run's generation runs (sd, K = 4)"
     residuals = []
-    for rec in measured["records"]:
+    for rec in fit_on:
         rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
-        if rep is not None and rec["config"].startswith("fixed_k"):
+        if rep is not None:
             residuals.append((rec["decode_seconds"] - rep["seconds"]) / rec["steps"])
     raw_overhead = float(np.median(residuals)) if residuals else 0.0
     overhead = max(0.0, raw_overhead)
@@ -212,33 +267,37 @@ def main() -> None:
         for o in outs:
             for name, r in o["runs"].items():
                 r["seconds"] = sum(cost.step(k) for k in r["lengths"])
-    print(f"per-step overhead fitted on the measured fixed-K runs: {overhead * 1000:.1f} ms", flush=True)
+    print(f"per-step overhead fitted on the {fit_source}: {overhead * 1000:.1f} ms", flush=True)
 
+    setting = f"ERSD at T = {args.temperature:g}" if sampled else "T = 0"
+    prefixes = ["confidence", *heads]
     result = {
         "meta": {"script": "benchmarks/studies/replay_adaptive.py", "command": "python " + " ".join(sys.argv),
-                 "args": vars(args), "torch": torch.__version__, "dtype": "float32",
+                 "args": vars(args), "torch": torch.__version__, "dtype": "float32", "setting": setting,
+                 "machine": machine(args.threads),
                  "step_cost": {"target_by_tokens": list(cost.target), "draft": cost.draft,
                                "overhead_per_step": overhead, "overhead_fit_before_clipping": raw_overhead,
-                               "overhead_note": "median over the measured fixed-K runs of (decode seconds - "
+                               "overhead_note": f"median over the {fit_source} of (decode seconds - "
                                                 "forwards-only model) / steps"},
-                 "head": {"path": args.head, **head.metadata.__dict__},
+                 "heads": {label: {"path": path, **heads[label].metadata.__dict__}
+                           for label, path in parse_heads(args.head).items()},
                  "seconds": time.perf_counter() - t_start,
-                 "note": "step counts are exact replays of the engine at T = 0; seconds are modelled from the "
-                         "measured forward times plus the fitted per-step overhead"},
-        "validation": validate(measured, replays),
-        "summary": {ds: summarise(outs) for ds, outs in outputs.items()},
+                 "note": f"step counts are exact replays of the engine ({setting}); seconds are modelled from "
+                         "the measured forward times plus the fitted per-step overhead"},
+        "validation": validate({"records": measured["records"] + generated}, replays),
+        "summary": {ds: summarise(outs, prefixes) for ds, outs in outputs.items()},
         "outputs": outputs,
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))
-    if plot_adaptive_replay(result["summary"], out_path.with_suffix(".png")):
+    if plot_adaptive_replay(result["summary"], out_path.with_suffix(".png"), heads=list(heads), setting=setting):
         print(f"plot: {out_path.with_suffix('.png')}")
     for ds, s in result["summary"].items():
         print(f"{ds}: best fixed {s['best_fixed']} {s['configs'][s['best_fixed']]['tokens_per_s']:.2f} tok/s; "
-              f"SpecDec++ {s['best_specdecpp']} {s['best_specdecpp_gain']:+.1%}; "
-              f"Confidence {s['best_confidence']} {s['best_confidence_gain']:+.1%}; "
-              f"Heuristic {s['heuristic_gain']:+.1%}; clairvoyant {s['clairvoyant_gain']:+.1%}")
+              + "; ".join(f"{s[f'best_{x}']} {s[f'best_{x}_gain']:+.1%} "
+                          f"({s[f'best_{x}_share_of_clairvoyant']:.0%} of the bound)" for x in prefixes)
+              + f"; Heuristic {s['heuristic_gain']:+.1%}; clairvoyant {s['clairvoyant_gain']:+.1%}")
         for prefix, folds in s.get("heldout", {}).items():
             print(f"   held-out {prefix}: " + ", ".join(f"{f['chosen']} vs {f['chosen_fixed']} {f['gain']:+.1%}"
                                                        for f in folds))

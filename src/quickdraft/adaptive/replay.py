@@ -1,9 +1,12 @@
-"""Exact replay of greedy speculative decoding: draft-length policies compared without decoding.
+"""Exact replay of drafter-invariant speculative decoding: draft-length policies compared without decoding.
 
 At temperature 0 speculative decoding emits the target's greedy text whatever the draft length, so
 a step that starts after ``j`` emitted tokens always sees the same context and the draft always
-proposes the same chain ``y_0, y_1, ...`` from there. Given the output ``x`` and, for every start
-``j``,
+proposes the same chain ``y_0, y_1, ...`` from there. The same holds at any temperature for ERSD
+(:class:`quickdraft.verification.rules.ExponentialRace`): every emitted token is the target's race
+winner at its position, and the draft's proposal is its own race winner under the arrival times of
+that position, so the output and the chain from every start are fixed by the seed whatever the draft
+length (``propose`` in :func:`draft_chains`). Given the output ``x`` and, for every start ``j``,
 
 * ``match[j]``: how many leading chain tokens equal ``x[j], x[j+1], ...`` (at most ``max_k``), and
 * ``stop[j]``: how many tokens a policy drafts from there (its decision reads only the chain),
@@ -19,8 +22,8 @@ step counts are not.
 
 Pure functions: :func:`walk`, :func:`clairvoyant`. Model side: :func:`draft_chains` (one
 teacher-forced draft pass over prompt + output, then the chain from every start, driving the real
-policy objects exactly as :class:`quickdraft.decoding.drafters.ModelDrafter` does) and
-:func:`measure_step_cost`.
+policy objects exactly as :class:`quickdraft.decoding.drafters.ModelDrafter` does; greedy, or
+:func:`race_proposer` for ERSD) and :func:`measure_step_cost`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import torch
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.policies import Policy
 from quickdraft.backends.runner import ModelRunner
-from quickdraft.verification.sampling import raw_probs
+from quickdraft.verification.race import race_keys, race_sample
+from quickdraft.verification.sampling import SamplingParams, logits_to_probs, raw_probs
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def walk(
     cost: StepCost | None = None,
     update: Callable[[int, int], None] | None = None,
 ) -> ReplayResult:
-    """Replay one greedy generation of ``n_tokens`` tokens.
+    """Replay one generation of ``n_tokens`` tokens (greedy, or ERSD at any temperature).
 
     Parameters
     ----------
@@ -174,8 +178,13 @@ def draft_chains(
     policies: dict[str, Callable[[], Policy]],
     max_k: int,
     vocab_size: int,
+    propose: Callable[[torch.Tensor, int], int] | None = None,
+    rows: int = 1,
 ) -> ChainTable:
-    """Greedy draft chains from every start of ``output`` and where each policy stops them.
+    """Draft chains from every start of ``output`` and where each policy stops them.
+
+    The chain is greedy by default; ``propose(logits [1, V], position) -> token`` gives the draft's
+    token at an absolute sequence position otherwise (:func:`race_proposer` for ERSD).
 
     ``policies`` maps names to factories of policies whose stop depends only on the current step's
     chain (``Confidence``, ``SpecDecPP``, ``Constant``; not ``Heuristic``, whose length comes from
@@ -184,9 +193,16 @@ def draft_chains(
     :class:`quickdraft.decoding.drafters.ModelDrafter` drives it: ``hidden`` is the state whose logits drew
     token ``i``. A chain is extended until every policy has stopped and it has left the output
     (or reached ``max_k`` tokens).
+
+    ``rows`` chains are drafted at once, one batch row per start, each a fork of the teacher-forced
+    context rolled back to its start (:meth:`ModelRunner.select_rows`); row 0 keeps that context.
+    A batched forward may round differently from a one-row one, so ``rows = 1`` (one chain at a
+    time, as the engine drafts at B = 1) is the exact default; check a larger value against it.
     """
     if not prompt:
         raise QuickdraftError("draft_chains needs a non-empty prompt")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise QuickdraftError(f"rows must be an integer >= 1, got {rows!r}")
     n = len(output)
     if n == 0:
         return ChainTable(match=[], stops={name: [] for name in policies})
@@ -200,41 +216,76 @@ def draft_chains(
     stops: dict[str, list[int]] = {name: [] for name in policies}
     forwards = 0
     context = list(prompt) + list(output)
-    for j in range(n):
-        # Keep the first p + j - 1 positions, which hold the true context (what follows them is the
-        # previous start's chain): the first extension re-feeds context token p + j - 1 with y_0.
-        draft.truncate(torch.tensor([p + j - 1]))
-        live = {name: make() for name, make in policies.items()}
-        length = {name: pol.begin_step() for name, pol in live.items()}
-        for name, k in length.items():
+    for first in range(0, n, rows):
+        starts = list(range(first, min(n, first + rows)))
+        g = len(starts)
+        # Row 0 carries the teacher-forced context; rows 1..g fork it and keep the first p + j - 1
+        # positions, the true context before start j: the first extension re-feeds context token
+        # p + j - 1 with y_0 (as after a step of the engine, whose bonus token is fed with the draft).
+        draft.select_rows([0] * (g + 1))
+        draft.truncate(torch.tensor([int(draft.lengths[0])] + [p + j - 1 for j in starts]))
+        live = [{name: make() for name, make in policies.items()} for _ in starts]
+        length = [{name: pol.begin_step() for name, pol in pols.items()} for pols in live]
+        for name, k in length[0].items():
             if k > max_k:
                 raise QuickdraftError(f"policy {name} drafts up to {k} tokens, more than max_k = {max_k}")
-        stopped = {name: None for name in live}
-        logits, hidden = tf_logits[j:j + 1], tf_hidden[j:j + 1]
-        m, on_output = 0, True
+        stopped = [{name: None for name in policies} for _ in starts]
+        done = [False] * g
+        m, on_output = [0] * g, [True] * g
+        logits = tf_logits[first:first + g]
+        hidden = tf_hidden[first:first + g]
         for i in range(max_k):
-            raw = raw_probs(logits)
-            token = raw.argmax(dim=-1)  # [1]
-            if on_output and j + i < n and int(token) == output[j + i]:
-                m += 1
+            raw = raw_probs(logits)  # [g, V]
+            if propose is None:
+                tokens = raw.argmax(dim=-1)  # [g]
             else:
-                on_output = False
-            for name, pol in live.items():
-                if stopped[name] is None:
-                    if i + 1 >= length[name]:
-                        stopped[name] = length[name]
-                    elif not pol.keep_drafting(i, raw, hidden, token=token):
-                        stopped[name] = i + 1
-            if i + 1 == max_k or (not on_output and all(s is not None for s in stopped.values())):
+                tokens = torch.tensor([int(propose(logits[r:r + 1], p + j + i)) for r, j in enumerate(starts)],
+                                      dtype=torch.long)
+            for r, j in enumerate(starts):
+                if done[r]:
+                    continue
+                token = tokens[r:r + 1]
+                if on_output[r] and j + i < n and int(token) == output[j + i]:
+                    m[r] += 1
+                else:
+                    on_output[r] = False
+                for name, pol in live[r].items():
+                    if stopped[r][name] is None:
+                        if i + 1 >= length[r][name]:
+                            stopped[r][name] = length[r][name]
+                        elif not pol.keep_drafting(i, raw[r:r + 1], hidden[r:r + 1], token=token):
+                            stopped[r][name] = i + 1
+                done[r] = i + 1 == max_k or (not on_output[r] and all(v is not None for v in stopped[r].values()))
+            if all(done):
                 break
-            block = token.unsqueeze(1) if i else torch.tensor([[context[p + j - 1], int(token)]], dtype=torch.long)
-            out = draft.forward(block, output_hidden=True)
-            forwards += 1
-            logits, hidden = out.logits[:, -1, :vocab_size], out.hidden[:, -1]
-        match.append(m)
-        for name in live:
-            stops[name].append(stopped[name] if stopped[name] is not None else length[name])
+            # row 0 (the context) and finished rows take padding columns: holes in their caches
+            if i == 0:
+                block = torch.stack([torch.tensor([context[p + j - 1] for j in starts]), tokens], dim=1)
+            else:
+                block = tokens.unsqueeze(1)
+            block = torch.cat([torch.zeros(1, block.shape[1], dtype=torch.long), block])
+            valid = torch.tensor([False] + [not d for d in done]).unsqueeze(1).expand_as(block)
+            out = draft.forward(block, valid, output_hidden=True)
+            forwards += sum(not d for d in done)
+            logits, hidden = out.logits[1:, -1, :vocab_size], out.hidden[1:, -1]
+        match.extend(m)
+        for r in range(g):
+            for name in policies:
+                v = stopped[r][name]
+                stops[name].append(v if v is not None else length[r][name])
+        draft.select_rows([0])
     return ChainTable(match=match, stops=stops, forwards=forwards)
+
+
+def race_proposer(seed: int, sampling: SamplingParams, row: int = 0) -> Callable[[torch.Tensor, int], int]:
+    """The draft's ERSD proposal at an absolute position: its race winner over the processed
+    distribution with the arrival times of (``seed``, ``row``, position), as
+    :class:`quickdraft.verification.rules.ExponentialRace` proposes it in the engine."""
+    def propose(logits: torch.Tensor, position: int) -> int:
+        probs = logits_to_probs(logits, sampling)
+        keys = race_keys(seed, torch.tensor([row]), torch.tensor([position]))
+        return int(race_sample(probs, keys)[0])
+    return propose
 
 
 def measure_step_cost(target: ModelRunner, draft: ModelRunner, context: Sequence[int], max_k: int,

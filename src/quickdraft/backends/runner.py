@@ -360,14 +360,23 @@ class ModelRunner:
         if self.tree_start is not None:
             raise QuickdraftError(f"{self.name}: remove_rows while a tree session is open")
         drop = {int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)}
-        keep = torch.tensor([r for r in range(self.batch_size) if r not in drop], dtype=torch.long,
-                            device=self.device)
+        self.select_rows([r for r in range(self.batch_size) if r not in drop])
+        self.compact(all_hole_only=True)
+
+    def select_rows(self, rows: list[int] | torch.Tensor) -> None:
+        """Make the batch the given rows, in that order: row ``i`` becomes a copy of row ``rows[i]``
+        (a row may be repeated: forks of one context, as :func:`quickdraft.adaptive.replay.draft_chains`
+        drafts from many starts of one text at once)."""
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: select_rows while a tree session is open")
+        index = torch.as_tensor(rows, dtype=torch.long).reshape(-1).to(self.device)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.batch_size):
+            raise QuickdraftError(f"{self.name}: rows {index.tolist()} out of range for a batch of {self.batch_size}")
         for layer in self._cache_layers():
             for name in ("keys", "values"):
-                setattr(layer, name, getattr(layer, name).index_select(0, keep))
-        self.slot_pos = self.slot_pos.index_select(0, keep)
-        self.lengths = self.lengths.index_select(0, keep)
-        self.compact(all_hole_only=True)
+                setattr(layer, name, getattr(layer, name).index_select(0, index))
+        self.slot_pos = self.slot_pos.index_select(0, index)
+        self.lengths = self.lengths.index_select(0, index)
 
     @property
     def num_holes(self) -> int:

@@ -47,7 +47,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from quickdraft.errors import QuickdraftError
 
@@ -382,11 +382,13 @@ def plot_adaptive(summary: dict[str, dict[str, dict]], path: str | os.PathLike[s
     return True
 
 
-def plot_adaptive_replay(summary: dict[str, dict], path: str | os.PathLike[str]) -> bool:
+def plot_adaptive_replay(summary: dict[str, dict], path: str | os.PathLike[str],
+                         heads: Sequence[str] = ("specdecpp",), setting: str = "T = 0") -> bool:
     """Modelled tokens/s against the mean draft length per step: fixed K as a line, each threshold
-    family (``confidence_p*``, ``specdecpp_h*``) as a curve over its thresholds, Heuristic and the
-    clairvoyant bound as points; one panel per dataset of ``benchmarks/studies/replay_adaptive.py``'s
-    ``summary`` (``{dataset: {"configs": {name: {...}}}}``). False when nothing to plot."""
+    family (``confidence_p*`` and ``<head>_h*`` for each label in ``heads``) as a curve over its
+    thresholds, Heuristic and the clairvoyant bound as points; one panel per dataset of
+    ``benchmarks/studies/replay_adaptive.py``'s ``summary`` (``{dataset: {"configs": {name: {...}}}}``),
+    titled with ``setting``. False when nothing to plot."""
     panels = {ds: s["configs"] for ds, s in summary.items() if s.get("configs")}
     if not panels:
         return False
@@ -398,13 +400,14 @@ def plot_adaptive_replay(summary: dict[str, dict], path: str | os.PathLike[str])
             return [x for x, _ in pts], [y for _, y in pts]
 
         ax.plot(*xy("fixed_k"), "-o", color="black", ms=4, label="fixed K")
-        ax.plot(*xy("specdecpp_h"), "-s", ms=4, label="SpecDec++ (thresholds)")
+        for head in heads:
+            ax.plot(*xy(f"{head}_h"), "-s", ms=4, label=f"SpecDec++ {head} (thresholds)")
         ax.plot(*xy("confidence_p"), "-^", ms=4, label="Confidence (p_min)")
         for name, marker in (("heuristic", "D"), ("clairvoyant", "*")):
             if name in cfgs:
                 ax.plot([cfgs[name]["mean_draft_len"]], [cfgs[name]["tokens_per_s"]], marker, ms=9, ls="none",
                         label=name)
-        ax.set_title(f"{ds}: T = 0, exact replay", fontsize=9)
+        ax.set_title(f"{ds}: {setting}, exact replay", fontsize=9)
         ax.set_xlabel("mean draft length per step")
         ax.set_ylabel("modelled decode tokens/s")
         ax.grid(alpha=0.3)

@@ -493,3 +493,45 @@ def test_export_records_the_fingerprint_an_acceptance_head_checks(ov_models, tin
     alien = AcceptanceHead(hidden, 1, HeadMetadata(draft="other", draft_fingerprint=model_fingerprint(tiny_lm(seed=9))))
     with pytest.raises(QuickdraftError, match="acceptance head mismatch"):
         alien.check_draft(runner.model)
+
+
+def _resident_kb_of(files):
+    """Resident kB of this process's mappings of ``files`` (``/proc/self/smaps``)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                current = head[5] if len(head) >= 6 else None
+            elif head[0] == "Rss:" and current in files:
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_released_weight_pages_leave_the_process_and_the_logits_alone(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)  # big enough (4.2 M weights, int8) that the matrices dominate the file
+    config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    path = export(_save(Qwen2ForCausalLM(config).eval(), tmp_path / "hf"), tmp_path / "ov", "int8", progress=False)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    kept = OpenVINORunner(path, "target", n_threads=1, release_weights=False)
+    kept.reset(1)
+    ref = kept.forward(tokens).logits
+    files = set(kept.weight_pages.files)
+    kept_kb = _resident_kb_of(files)
+    file_kb = sum(os.path.getsize(f) for f in files) // 1024
+    assert files and kept_kb > file_kb // 2, (kept_kb, file_kb)  # control: the file stays resident
+    del kept
+    released = OpenVINORunner(path, "target", n_threads=1)  # release_weights is the default
+    assert released.num_forwards == 0 and released.infer_seconds == 0.0  # the warm-up is not counted
+    assert _resident_kb_of(files) == 0
+    released.reset(1)
+    torch.testing.assert_close(released.forward(tokens).logits, ref, rtol=0, atol=0)
+    assert torch.isfinite(released.forward(torch.tensor([[7, 7, 7, 7, 7]])).logits).all()
+    # the matrices are read from the plugin's copy: only what it reads in place (such as the
+    # embedding rows of the tokens seen) comes back from the file
+    assert _resident_kb_of(files) < kept_kb // 4, (_resident_kb_of(files), kept_kb, file_kb)

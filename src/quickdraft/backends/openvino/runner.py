@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,6 +36,7 @@ from quickdraft.backends.runner import ForwardOutput
 from quickdraft.verification.sampling import check_finite
 
 from .export import EXPORT_MANIFEST, MODEL_XML
+from .pages import WeightPages
 
 #: additive mask value of a slot a token must not see
 _BLOCKED = np.float32(-np.inf)
@@ -139,6 +141,11 @@ class OpenVINORunner:
         block costs more (about 2.5x a one-token forward for 5 tokens instead of about 1.1x).
     vocab_size:
         Width of the returned logits (default: the config's ``vocab_size``).
+    release_weights:
+        Make the first inference while loading (the plugin packs its own copy of every weight
+        then) and give the weight file's pages back to the system meanwhile and after
+        (:class:`quickdraft.backends.openvino.pages.WeightPages`): resident memory stays near
+        one copy of the weights instead of two. Off: the file stays resident beside the copy.
 
     Attributes
     ----------
@@ -161,7 +168,7 @@ class OpenVINORunner:
 
     def __init__(self, path: str | os.PathLike[str], name: str = "model", *, n_threads: int | None = None,
                  kv_cache_precision: str | None = None, inference_precision: str | None = None, exact: bool = False,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, release_weights: bool = True) -> None:
         from transformers import AutoConfig, GenerationConfig
 
         path = Path(path)
@@ -185,15 +192,25 @@ class OpenVINORunner:
         self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path),
                                      fingerprint=self.export_info.get("fingerprint"))
         threads = n_threads or max(1, torch.get_num_threads())
-        self.compiled = core().compile_model(str(path / MODEL_XML), "CPU", compile_config(threads, kv_cache_precision, inference_precision, exact))
-        self.request = self.compiled.create_infer_request()
-        self._states = list(self.request.query_state())
-        if not self._states:
-            raise QuickdraftError(f"{name}: the OpenVINO model in {path} is not stateful; export it again")
-        heads = int(config.num_attention_heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        self._kv = (kv_heads, head_dim)
+        #: the export's weight file as mapped here; with ``release_weights`` its pages are given back
+        #: once the plugin has packed its own copy (:mod:`quickdraft.backends.openvino.pages`)
+        self.weight_pages = WeightPages(path)
+        self.num_forwards = 0
+        self.infer_seconds = 0.0
+        with self.weight_pages.shedding() if release_weights else nullcontext():
+            self.compiled = core().compile_model(str(path / MODEL_XML), "CPU",
+                                                 compile_config(threads, kv_cache_precision, inference_precision, exact))
+            self.request = self.compiled.create_infer_request()
+            self._states = list(self.request.query_state())
+            if not self._states:
+                raise QuickdraftError(f"{name}: the OpenVINO model in {path} is not stateful; export it again")
+            heads = int(config.num_attention_heads)
+            kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+            head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+            self._kv = (kv_heads, head_dim)
+            if release_weights:  # the first inference, where the plugin packs every weight
+                self.reset(1)
+                self.forward(torch.zeros((1, 1), dtype=torch.long), logits_to_keep=1)
         self.num_forwards = 0
         self.infer_seconds = 0.0
         self.reset(0)

@@ -56,7 +56,7 @@ from quickdraft.verification.divergences import get_divergence
 from quickdraft.decoding.drafters import ModelDrafter, pending_block
 from quickdraft.decoding.engine import GenerationOutput, TokenCallback, generate
 from quickdraft.errors import QuickdraftError
-from quickdraft.verification.multidraft_proposals import sample_rows
+from quickdraft.verification.sampling import sample_rows
 from quickdraft.verification.multidraft_verifiers import kseq_verify, optimal_greedy_verify, rrs_verify
 from quickdraft.verification.race import race_keys as make_race_keys, race_sample
 from quickdraft.decoding.proposals import Walk

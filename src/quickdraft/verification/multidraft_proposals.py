@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quickdraft.verification.sampling import sample_rows
+
 
 @dataclass
 class Drafts:
@@ -50,27 +52,6 @@ class Drafts:
 
     ids: torch.Tensor
     proposals: list[torch.Tensor]
-
-
-def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``probs [B, V]`` by inverse CDF; returns ``[B]`` int64.
-
-    Rows must be non-negative with a positive sum (they need not be normalised). The token is the
-    first index whose cumulative mass exceeds ``u · total``, ``u ~ U[0, 1)``; that index always
-    has positive probability (the cumulative sum strictly increases there). If rounding puts
-    ``u · total`` at or above the total, the last token with positive probability is used.
-    (``torch.multinomial`` gives the same law but is several times slower on wide batches.)
-    """
-    cdf = probs.cumsum(dim=-1)  # [B, V]
-    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device, generator=generator)
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [B]
-    vocab = probs.shape[-1]
-    overflow = idx >= vocab
-    if bool(overflow.any()):
-        positions = torch.arange(vocab, device=probs.device).expand_as(probs)
-        last_positive = torch.where(probs > 0, positions, -1).max(dim=-1).values
-        idx = torch.where(overflow, last_positive, idx)
-    return idx
 
 
 def _remove(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

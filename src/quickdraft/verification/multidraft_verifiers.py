@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from quickdraft.verification.multidraft_proposals import Drafts, sample_rows
+from quickdraft.verification.multidraft_proposals import Drafts
+from quickdraft.verification.sampling import sample_rows
 from quickdraft.verification.rules import residual
 
 

@@ -141,8 +141,40 @@ def raw_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().softmax(dim=-1)
 
 
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs [B, V]`` by inverse CDF; returns ``[B]`` int64.
+
+    Rows must be non-negative with a positive sum (they need not be normalised). The token is the
+    first index whose cumulative mass exceeds ``u · total``, ``u ~ U[0, 1)``; that index always
+    has positive probability (the cumulative sum strictly increases there). If rounding puts
+    ``u · total`` at or above the total, the last token with positive probability is used.
+    (``torch.multinomial`` gives the same law but is several times slower on wide batches, and
+    about 6 ms a draw over a 151,936-token vocabulary on a 2-core CPU, against well under 1 ms here.)
+    """
+    return _inverse_cdf(probs, probs.cumsum(dim=-1), generator)
+
+
+def _inverse_cdf(probs: torch.Tensor, cdf: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device, generator=generator)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [B]
+    vocab = probs.shape[-1]
+    overflow = idx >= vocab
+    if bool(overflow.any()):
+        positions = torch.arange(vocab, device=probs.device).expand_as(probs)
+        last_positive = torch.where(probs > 0, positions, -1).max(dim=-1).values
+        idx = torch.where(overflow, last_positive, idx)
+    return idx
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row from ``probs [..., V]``; returns int64 ``[...]``."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
-    return out.reshape(probs.shape[:-1])
+    """Draw one token per row from ``probs [..., V]``; returns int64 ``[...]``.
+
+    Inverse CDF over float64 cumulative sums (:func:`sample_rows`). Rows need not be normalised;
+    a row with a negative or non-finite entry, or no positive mass, is an error.
+    """
+    flat = probs.reshape(-1, probs.shape[-1]).double()
+    cdf = flat.cumsum(dim=-1)
+    total = cdf[:, -1]  # NaN or inf anywhere in a row makes its total non-finite
+    if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()) or bool((flat.amin(dim=-1) < 0).any()):
+        raise QuickdraftError("cannot sample: a distribution has negative or non-finite entries or no positive mass")
+    return _inverse_cdf(flat, cdf, generator).reshape(probs.shape[:-1])

@@ -79,6 +79,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7, help="timings per forward size (median)")
     ap.add_argument("--out", default="benchmarks/results/adaptive_replay_t0.json")
+    ap.add_argument("--retime", default=None, metavar="RESULT",
+                    help="no model work: re-fit the per-step overhead of RESULT (a T = 0 replay) on the "
+                         "--measured fixed-K runs, re-time every run and rewrite its summary")
     return ap.parse_args()
 
 
@@ -197,8 +200,71 @@ def validate(measured: dict, replays: dict[str, dict]) -> dict:
     return out
 
 
+def retime(args) -> None:
+    """Re-time a T = 0 result from its stored draft lengths, with the overhead fitted on the quiet
+    measured runs of ``--measured`` (for a replay whose own generation runs shared the machine)."""
+    path = Path(args.retime)
+    result = json.loads(path.read_text())
+    measured = json.loads(Path(args.measured).read_text())
+    sc = result["meta"]["step_cost"]
+    base = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"])
+    outputs = result["outputs"]
+    replays = {o["prompt_id"]: o["runs"] for outs in outputs.values() for o in outs}
+    residuals = []
+    for rec in measured["records"]:
+        rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
+        if rep is not None and rec["config"].startswith("fixed_k") and rec["temperature"] == 0:
+            residuals.append((rec["decode_seconds"] - sum(base.step(k) for k in rep["lengths"])) / rec["steps"])
+    if not residuals:
+        raise SystemExit(f"no fixed-K runs of {args.measured} match the outputs of {path}")
+    raw_overhead = float(np.median(residuals))
+    cost = StepCost(target=base.target, draft=base.draft, overhead=max(0.0, raw_overhead))
+    for outs in outputs.values():
+        for o in outs:
+            for r in o["runs"].values():
+                r["seconds"] = sum(cost.step(k) for k in r["lengths"])
+    sc.update(overhead_per_step=cost.overhead, overhead_fit_before_clipping=raw_overhead,
+              overhead_note=f"median over the fixed-K runs of {args.measured} (quiet) of (decode seconds - "
+                            "forwards-only model) / steps, re-fitted by --retime")
+    result["meta"]["retime_command"] = "python " + " ".join(sys.argv)
+    gen = result["validation"].get("generation_runs", {})
+    for key, row in gen.get("per_config", {}).items():  # generation runs: sd K = 4 on the generated outputs
+        ds, config = key.split("/")
+        outs = [o for o in outputs[ds] if o["source"] == "generated"]
+        model_s = sum(o["runs"][config]["seconds"] for o in outs)
+        new = sum(o["new_tokens"] for o in outs)
+        row["model_tokens_per_s"] = new / model_s
+        row["model_over_measured"] = row["model_tokens_per_s"] / row["measured_tokens_per_s"]
+    result["validation"]["measured_records"] = validate(measured, replays)
+    prefixes = ["confidence", *result["meta"]["heads"]]
+    result["summary"] = {ds: summarise(outs, prefixes) for ds, outs in outputs.items()}
+    path.write_text(json.dumps(result, indent=1))
+    plot_adaptive_replay(result["summary"], path.with_suffix(".png"), heads=list(result["meta"]["heads"]),
+                         setting=result["meta"]["setting"])
+    print(f"per-step overhead re-fitted on {len(residuals)} measured runs: {cost.overhead * 1000:.1f} ms")
+    report(result, prefixes)
+
+
+def report(result: dict, prefixes: list[str]) -> None:
+    for ds, s in result["summary"].items():
+        print(f"{ds}: best fixed {s['best_fixed']} {s['configs'][s['best_fixed']]['tokens_per_s']:.2f} tok/s; "
+              + "; ".join(f"{s[f'best_{x}']} {s[f'best_{x}_gain']:+.1%} "
+                          f"({s[f'best_{x}_share_of_clairvoyant']:.0%} of the bound)" for x in prefixes)
+              + f"; Heuristic {s['heuristic_gain']:+.1%}; clairvoyant {s['clairvoyant_gain']:+.1%}")
+        for prefix, folds in s.get("heldout", {}).items():
+            print(f"   held-out {prefix}: " + ", ".join(f"{f['chosen']} vs {f['chosen_fixed']} {f['gain']:+.1%}"
+                                                       for f in folds))
+    for source, v in result["validation"].items():
+        print(f"validation on {source}: {v['steps_equal']}/{v['runs_compared']} runs with equal steps, "
+              f"{v['steps_and_drafted_equal']} also equal drafted; "
+              + ", ".join(f"{k} {v[k]:.2f}" for k in v if k.endswith("spearman")))
+
+
 def main() -> None:
     args = parse_args()
+    if args.retime:
+        retime(args)
+        return
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
     sampled = args.temperature > 0
@@ -292,6 +358,7 @@ def main() -> None:
         "validation": {"measured_records": validate(measured, replays),
                        "generation_runs": validate({"records": generated}, replays)},
         "summary": {ds: summarise(outs, prefixes) for ds, outs in outputs.items()},
+        "generation_runs": generated,
         "outputs": outputs,
     }
     out_path = Path(args.out)
@@ -299,18 +366,7 @@ def main() -> None:
     out_path.write_text(json.dumps(result, indent=1))
     if plot_adaptive_replay(result["summary"], out_path.with_suffix(".png"), heads=list(heads), setting=setting):
         print(f"plot: {out_path.with_suffix('.png')}")
-    for ds, s in result["summary"].items():
-        print(f"{ds}: best fixed {s['best_fixed']} {s['configs'][s['best_fixed']]['tokens_per_s']:.2f} tok/s; "
-              + "; ".join(f"{s[f'best_{x}']} {s[f'best_{x}_gain']:+.1%} "
-                          f"({s[f'best_{x}_share_of_clairvoyant']:.0%} of the bound)" for x in prefixes)
-              + f"; Heuristic {s['heuristic_gain']:+.1%}; clairvoyant {s['clairvoyant_gain']:+.1%}")
-        for prefix, folds in s.get("heldout", {}).items():
-            print(f"   held-out {prefix}: " + ", ".join(f"{f['chosen']} vs {f['chosen_fixed']} {f['gain']:+.1%}"
-                                                       for f in folds))
-    for source, v in result["validation"].items():
-        print(f"validation on {source}: {v['steps_equal']}/{v['runs_compared']} runs with equal steps, "
-              f"{v['steps_and_drafted_equal']} also equal drafted; "
-              + ", ".join(f"{k} {v[k]:.2f}" for k in v if k.endswith("spearman")))
+    report(result, prefixes)
 
 
 if __name__ == "__main__":

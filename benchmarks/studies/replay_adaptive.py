@@ -76,12 +76,15 @@ def parse_args() -> argparse.Namespace:
                     help="bench_adaptive.py result at T = 0 whose outputs are reused and whose records validate "
                          "('' for none; ignored at T > 0)")
     ap.add_argument("--rows", type=int, default=16, help="chains drafted at once (draft_chains rows)")
+    ap.add_argument("--max-seconds", type=float, default=0.0, help="start no new prompt after this (0 = no limit)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7, help="timings per forward size (median)")
     ap.add_argument("--out", default="benchmarks/results/adaptive_replay_t0.json")
     ap.add_argument("--retime", default=None, metavar="RESULT",
                     help="no model work: re-fit the per-step overhead of RESULT (a T = 0 replay) on the "
-                         "--measured fixed-K runs, re-time every run and rewrite its summary")
+                         "--measured fixed-K runs (or --calibrate runs), re-time every run and rewrite its summary")
+    ap.add_argument("--calibrate", type=int, default=0, metavar="N",
+                    help="with --retime: fit the overhead on N fresh timed runs per dataset of the stored outputs")
     return ap.parse_args()
 
 
@@ -201,8 +204,9 @@ def validate(measured: dict, replays: dict[str, dict]) -> dict:
 
 
 def retime(args) -> None:
-    """Re-time a T = 0 result from its stored draft lengths, with the overhead fitted on the quiet
-    measured runs of ``--measured`` (for a replay whose own generation runs shared the machine)."""
+    """Re-time a result from its stored draft lengths, with the overhead fitted on the quiet measured
+    runs of ``--measured`` (T = 0) or on ``--calibrate`` fresh timed runs of its stored outputs (for a
+    replay whose own generation runs shared the machine)."""
     path = Path(args.retime)
     result = json.loads(path.read_text())
     measured = json.loads(Path(args.measured).read_text())
@@ -211,10 +215,35 @@ def retime(args) -> None:
     outputs = result["outputs"]
     replays = {o["prompt_id"]: o["runs"] for outs in outputs.values() for o in outs}
     residuals = []
-    for rec in measured["records"]:
-        rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
-        if rep is not None and rec["config"].startswith("fixed_k") and rec["temperature"] == 0:
-            residuals.append((rec["decode_seconds"] - sum(base.step(k) for k in rep["lengths"])) / rec["steps"])
+    if args.calibrate:  # fresh timed engine runs (sd, K = 4) of the stored outputs, on this machine now
+        torch.set_num_threads(args.threads)
+        pipe = Pipeline.from_specs("target", "draft", dtype="float32")
+        loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench}
+        sampled = result["meta"]["args"].get("temperature", 0.0) > 0
+        seed = result["meta"]["args"].get("seed", 0)
+        sampling = SamplingParams(temperature=result["meta"]["args"].get("temperature", 0.0))
+        calibration = []
+        for ds, outs in outputs.items():
+            ids = {p.id: pipe.encode_messages(p.messages) for p in loaders[ds](len(outs))}
+            for o in outs[:args.calibrate]:
+                out = generate(pipe.target, [ids[o["prompt_id"]]], method="sd",
+                               drafter=ModelDrafter(pipe.draft, pipe.vocab_size),
+                               rule=ExponentialRace(seed=seed) if sampled else None, policy=Constant(4),
+                               sampling=sampling, seed=seed, max_new_tokens=o["new_tokens"], eos_token_ids=pipe.eos_ids())
+                bm, rep = out.batch_metrics, o["runs"]["fixed_k4"]
+                if out.sequences[0] != o["tokens"] or bm.steps != rep["steps"]:
+                    raise SystemExit(f"calibration run of {o['prompt_id']} does not reproduce the stored output")
+                residuals.append((bm.decode_seconds - sum(base.step(k) for k in rep["lengths"])) / bm.steps)
+                calibration.append({"prompt_id": o["prompt_id"], "steps": bm.steps, "decode_seconds": bm.decode_seconds})
+                print(f"calibration {o['prompt_id']}: {bm.decode_seconds:.1f} s, {bm.steps} steps", flush=True)
+        result["calibration_runs"] = calibration
+        source = f"{len(calibration)} timed sd K = 4 runs of stored outputs (--calibrate, quiet machine)"
+    else:
+        for rec in measured["records"]:
+            rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
+            if rep is not None and rec["config"].startswith("fixed_k") and rec["temperature"] == 0:
+                residuals.append((rec["decode_seconds"] - sum(base.step(k) for k in rep["lengths"])) / rec["steps"])
+        source = f"the fixed-K runs of {args.measured}"
     if not residuals:
         raise SystemExit(f"no fixed-K runs of {args.measured} match the outputs of {path}")
     raw_overhead = float(np.median(residuals))
@@ -224,8 +253,8 @@ def retime(args) -> None:
             for r in o["runs"].values():
                 r["seconds"] = sum(cost.step(k) for k in r["lengths"])
     sc.update(overhead_per_step=cost.overhead, overhead_fit_before_clipping=raw_overhead,
-              overhead_note=f"median over the fixed-K runs of {args.measured} (quiet) of (decode seconds - "
-                            "forwards-only model) / steps, re-fitted by --retime")
+              overhead_note=f"median over {source} of (decode seconds - forwards-only model) / steps, "
+                            "re-fitted by --retime")
     result["meta"]["retime_command"] = "python " + " ".join(sys.argv)
     gen = result["validation"].get("generation_runs", {})
     for key, row in gen.get("per_config", {}).items():  # generation runs: sd K = 4 on the generated outputs
@@ -241,7 +270,7 @@ def retime(args) -> None:
     path.write_text(json.dumps(result, indent=1))
     plot_adaptive_replay(result["summary"], path.with_suffix(".png"), heads=list(result["meta"]["heads"]),
                          setting=result["meta"]["setting"])
-    print(f"per-step overhead re-fitted on {len(residuals)} measured runs: {cost.overhead * 1000:.1f} ms")
+    print(f"per-step overhead re-fitted on {source}: {cost.overhead * 1000:.1f} ms")
     report(result, prefixes)
 
 
@@ -295,29 +324,35 @@ def main() -> None:
     outputs: dict[str, list[dict]] = {ds: [] for ds in prompts}
     replays: dict[str, dict] = {}
     generated: list[dict] = []  # timed engine runs (sd, K = 4) for the overhead fit without measured records
-    for ds, plist in prompts.items():
-        for pid, ids in plist:
-            t0 = time.perf_counter()
-            source = "measured"
-            tokens = known.get(pid)
-            if tokens is None:
-                source = "generated"
-                out = generate(pipe.target, [ids], method="sd", drafter=ModelDrafter(pipe.draft, pipe.vocab_size),
-                               rule=rule, policy=Constant(4), sampling=sampling, seed=args.seed,
-                               max_new_tokens=args.max_new_tokens, eos_token_ids=pipe.eos_ids())
-                tokens = out.sequences[0]
-                bm = out.batch_metrics
-                generated.append({"prompt_id": pid, "dataset": ds, "config": "fixed_k4", "steps": bm.steps,
-                                  "new_tokens": len(tokens),
-                                  "drafted": bm.drafted_tokens, "decode_seconds": bm.decode_seconds})
-            table = draft_chains(pipe.draft, ids, tokens, factories, args.max_k, pipe.vocab_size,
-                                 propose=propose, rows=args.rows)
-            runs = replay_output(len(tokens), table, cost, args)
-            replays[pid] = runs
-            outputs[ds].append({"prompt_id": pid, "source": source, "new_tokens": len(tokens),
-                                "tokens": list(tokens), "match": table.match, "runs": runs})
-            print(f"[{time.perf_counter() - t_start:6.0f}s] {ds} {pid} ({source}, {len(tokens)} tokens, "
-                  f"{table.forwards} draft forwards, {time.perf_counter() - t0:.0f}s)", flush=True)
+    # datasets interleaved (humaneval 0, mtbench 0, humaneval 1, ...) so that --max-seconds cuts both evenly
+    order = [(ds, item) for i in range(args.prompts) for ds, plist in prompts.items() if i < len(plist)
+             for item in [plist[i]]]
+    for ds, (pid, ids) in order:
+        if args.max_seconds and time.perf_counter() - t_start > args.max_seconds:
+            print(f"--max-seconds {args.max_seconds:g} reached: {sum(map(len, outputs.values()))} outputs replayed",
+                  flush=True)
+            break
+        t0 = time.perf_counter()
+        source = "measured"
+        tokens = known.get(pid)
+        if tokens is None:
+            source = "generated"
+            out = generate(pipe.target, [ids], method="sd", drafter=ModelDrafter(pipe.draft, pipe.vocab_size),
+                           rule=rule, policy=Constant(4), sampling=sampling, seed=args.seed,
+                           max_new_tokens=args.max_new_tokens, eos_token_ids=pipe.eos_ids())
+            tokens = out.sequences[0]
+            bm = out.batch_metrics
+            generated.append({"prompt_id": pid, "dataset": ds, "config": "fixed_k4", "steps": bm.steps,
+                              "new_tokens": len(tokens),
+                              "drafted": bm.drafted_tokens, "decode_seconds": bm.decode_seconds})
+        table = draft_chains(pipe.draft, ids, tokens, factories, args.max_k, pipe.vocab_size,
+                             propose=propose, rows=args.rows)
+        runs = replay_output(len(tokens), table, cost, args)
+        replays[pid] = runs
+        outputs[ds].append({"prompt_id": pid, "source": source, "new_tokens": len(tokens),
+                            "tokens": list(tokens), "match": table.match, "runs": runs})
+        print(f"[{time.perf_counter() - t_start:6.0f}s] {ds} {pid} ({source}, {len(tokens)} tokens, "
+              f"{table.forwards} draft forwards, {time.perf_counter() - t0:.0f}s)", flush=True)
 
     # per-step overhead (sampling, bookkeeping, cache truncation): median of (measured - forwards-only
     # model) / steps over this run's generation runs, or over the measured fixed-K runs without them

@@ -631,3 +631,26 @@ def test_fsd_at_threshold_zero_is_lossless_draw_for_draw(divergence):
     loose = Fuzzy(divergence=divergence, threshold=math.inf, hybrid=True)
     assert not loose.lossless
     assert int(run(loose).num_accepted.sum()) > int(exact.num_accepted.sum())
+
+
+def test_sample_draws_each_row_from_its_own_law_and_rejects_bad_rows():
+    """The inverse-CDF sampler: a chi-square fit per row of a batch (zeros never drawn, rows not
+    normalised), a control that must fail (counts of one row against the other's law), and clear
+    errors for rows that are not distributions."""
+    from conftest import chi_square_pvalue
+
+    gen = torch.Generator().manual_seed(7)
+    v, n = 500, 20_000
+    probs = torch.rand(2, v, generator=gen) ** 4
+    probs[:, ::3] = 0.0  # a third of the tokens impossible
+    probs[1] *= 5.0  # not normalised
+    draws = sample(probs.unsqueeze(1).expand(2, n, v), gen)  # [2, n]
+    laws = probs.double().numpy()
+    counts = [np.bincount(draws[row].numpy(), minlength=v) for row in range(2)]
+    for row in range(2):
+        assert counts[row][::3].sum() == 0
+        assert chi_square_pvalue(counts[row], laws[row]) > 1e-4
+    assert chi_square_pvalue(counts[0], laws[1]) < 1e-6
+    for bad in ([[0.5, float("nan")]], [[0.5, -0.1, 0.6]], [[float("inf"), 1.0]], [[0.0, 0.0]]):
+        with pytest.raises(QuickdraftError, match="cannot sample"):
+            sample(torch.tensor(bad))

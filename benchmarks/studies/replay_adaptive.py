@@ -77,6 +77,8 @@ def parse_args() -> argparse.Namespace:
                          "('' for none; ignored at T > 0)")
     ap.add_argument("--rows", type=int, default=16, help="chains drafted at once (draft_chains rows)")
     ap.add_argument("--max-seconds", type=float, default=0.0, help="start no new prompt after this (0 = no limit)")
+    ap.add_argument("--step-cost-from", default=None, metavar="RESULT",
+                    help="reuse the forward times measured by another replay on this machine instead of timing them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7, help="timings per forward size (median)")
     ap.add_argument("--out", default="benchmarks/results/adaptive_replay_t0.json")
@@ -316,7 +318,11 @@ def main() -> None:
 
     # one cost model for every replay: forwards after a real prompt
     ctx = prompts["humaneval"][0][1]
-    cost = measure_step_cost(pipe.target, pipe.draft, ctx, args.max_k, repeats=args.repeats)
+    if args.step_cost_from:  # forward times do not depend on the temperature or the rule
+        sc = json.loads(Path(args.step_cost_from).read_text())["meta"]["step_cost"]
+        cost = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"])
+    else:
+        cost = measure_step_cost(pipe.target, pipe.draft, ctx, args.max_k, repeats=args.repeats)
     print(f"step cost: target {['%.3f' % t for t in cost.target]}  draft {cost.draft:.4f}", flush=True)
 
     factories = policy_factories(args, heads, args.max_k)

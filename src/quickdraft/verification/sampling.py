@@ -154,8 +154,21 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     return _inverse_cdf(probs, probs.cumsum(dim=-1), generator)
 
 
+def row_uniforms(n: int, generator: torch.Generator | None, dtype: torch.dtype = torch.float64,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n, 1]`` uniforms on [0, 1) whose row ``i`` does not depend on ``n``: one 63-bit seed is drawn
+    from ``generator`` per call (whatever the batch size), and row ``i`` is the ``i``-th number of the
+    stream it seeds. So a row keeps its draws when rows after it leave the batch (a server drops
+    finished rows; ``Pipeline.generate`` keeps them), as a request served alone expects."""
+    if generator is None:
+        return torch.rand(n, 1, dtype=dtype, device=device)
+    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=generator.device))
+    rows = torch.Generator(device=generator.device).manual_seed(seed)
+    return torch.rand(n, 1, dtype=dtype, device=generator.device, generator=rows).to(device)
+
+
 def _inverse_cdf(probs: torch.Tensor, cdf: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device, generator=generator)
+    u = row_uniforms(probs.shape[0], generator, cdf.dtype, probs.device)
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [B]
     vocab = probs.shape[-1]
     overflow = idx >= vocab

@@ -188,7 +188,9 @@ def test_save_and_load_round_trip(tiny_target, trained, tmp_path):
     with torch.no_grad():
         a = model.to(torch.bfloat16).float()(ids, features=feats, use_cache=False).logits
         b = loaded.float()(ids, features=feats, use_cache=False).logits
-    torch.testing.assert_close(a, b)
+    # the weights are saved in bf16; the cast of ``model`` also rounds its rotary buffer, which the
+    # loaded model recomputes in fp32, hence a tolerance above fp32 rounding (a wrong load is off by O(1))
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
     other = tiny_lm(seed=5)
     with pytest.raises(QuickdraftError, match="trained on another target"):
         FeatureDraftModel.load(tmp_path / "fd", other)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,8 @@ import torch
 from quickdraft import Pipeline, SamplingParams
 from quickdraft.evaluation.datasets import load_humaneval, load_mtbench
 from quickdraft.verification import sampling as sampling_module
+
+from openvino_compression import _lscpu  # the studies' CPU record (this script's folder is on sys.path)
 
 
 def multinomial_sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -43,13 +44,6 @@ def use_sampler(name: str) -> None:
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith("quickdraft") and getattr(module, "sample", None) in SAMPLERS.values():
             module.sample = fn
-
-
-def machine(threads: int) -> dict:
-    fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
-                                                                  timeout=10).stdout.splitlines() if ":" in line)
-    flags = sorted(f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma")))
-    return {"cpu_model": fields.get("Model name", "").strip(), "isa_flags": flags, "threads": threads}
 
 
 def main() -> None:
@@ -105,7 +99,8 @@ def main() -> None:
         s["engine_ms_per_step"] = s["engine_seconds"] / s["steps"] * 1e3
         s["tokens_per_second"] = s["new_tokens"] / s["seconds"]
         print(f"{key}: engine {s['engine_share']:.1%}, {s['engine_ms_per_step']:.1f} ms/step, {s['tokens_per_second']:.2f} tok/s")
-    Path(args.out).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "machine": machine(args.threads),
+    Path(args.out).write_text(json.dumps({"command": "python " + " ".join(sys.argv),
+                                          "machine": {**_lscpu(), "threads": args.threads},
                                           "summary": summary, "records": records}, indent=1) + "\n")
 
 

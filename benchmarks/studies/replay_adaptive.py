@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,13 +51,7 @@ from quickdraft.evaluation.report import plot_adaptive_replay
 from quickdraft.verification.rules import ExponentialRace
 from quickdraft.verification.sampling import SamplingParams
 
-
-def machine(threads: int) -> dict:
-    """The CPU's model name and vector / matrix ISA flags (``lscpu``), and the threads used."""
-    fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True,
-                                                                  timeout=10).stdout.splitlines() if ":" in line)
-    flags = sorted(f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma")))
-    return {"cpu_model": fields.get("Model name", "").strip(), "isa_flags": flags, "threads": threads}
+from openvino_compression import _lscpu  # the studies' CPU record (this script's folder is on sys.path)
 
 
 def parse_args() -> argparse.Namespace:
@@ -383,7 +376,7 @@ def main() -> None:
     result = {
         "meta": {"script": "benchmarks/studies/replay_adaptive.py", "command": "python " + " ".join(sys.argv),
                  "args": vars(args), "torch": torch.__version__, "dtype": "float32", "setting": setting,
-                 "machine": machine(args.threads),
+                 "machine": {**_lscpu(), "threads": args.threads},
                  "step_cost": {"target_by_tokens": list(cost.target), "draft": cost.draft,
                                "overhead_per_step": overhead, "overhead_fit_before_clipping": raw_overhead,
                                "overhead_note": f"median over the {fit_source} of (decode seconds - "

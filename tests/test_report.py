@@ -8,7 +8,7 @@ import json
 import pytest
 
 from quickdraft.evaluation.bench import _write_json, cell_path
-from quickdraft.evaluation.quality import compare_paired, pass_at_1
+from quickdraft.evaluation.quality import compare_paired, compare_paired_means, pass_at_1
 from quickdraft.evaluation.report import (
     README_END,
     README_START,
@@ -96,6 +96,25 @@ def test_pass_rates_and_paired_tests_match_quality_module(records):
     # agreement with target-alone greedy output: prompts 0-4 identical, 5-9 differ at the first token
     assert fsd["agree_exact"] == pytest.approx(0.5) and fsd["agree_prefix"] == pytest.approx(0.5)
     assert rows["sd:k=4"]["agree_exact"] == 1.0
+
+
+def test_logprob_paired_with_baseline(records):
+    # FSD at 0.8 loses 0.1 nats a token against sd on every prompt, with a spread across prompts
+    for rec in records:
+        if rec["method"] == "fsd:divergence=js,threshold=0.8":
+            i = rec["prompt_index"]
+            lp = -0.6 + 0.01 * (i % 3)
+            rec["fidelity"] = {"target_mean_logprob": lp, "target_logprob_sum": lp * rec["new_tokens"],
+                               "scored_tokens": rec["new_tokens"]}
+    rows = {r["method"]: r for r in summarize(records, baseline="sd:k=4")}
+    fsd = rows["fsd:divergence=js,threshold=0.8"]
+    cmp = compare_paired_means({f"P/{i}": -0.6 + 0.01 * (i % 3) for i in range(N)}, {f"P/{i}": -0.5 for i in range(N)})
+    assert fsd["vs_baseline_logprob_difference"] == pytest.approx(cmp.difference)
+    assert fsd["vs_baseline_logprob_high"] < 0 and fsd["vs_baseline_logprob_p"] < 1e-6
+    assert (fsd["vs_baseline_logprob_low"], fsd["vs_baseline_logprob_high"]) == pytest.approx((cmp.low, cmp.high))
+    assert rows["sd:k=4"]["vs_baseline_logprob_difference"] is None
+    assert rows["typical"]["vs_baseline_logprob_difference"] == 0.0  # same scores: no difference
+    assert "Δ logprob vs baseline" in markdown_table(list(rows.values()))
 
 
 def test_rows_use_complete_cases_only(records):

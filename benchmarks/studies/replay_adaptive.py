@@ -204,7 +204,11 @@ def retime(args) -> None:
     replay whose own generation runs shared the machine)."""
     path = Path(args.retime)
     result = json.loads(path.read_text())
-    measured = json.loads(Path(args.measured).read_text())
+    sampled = result["meta"]["args"].get("temperature", 0.0) > 0
+    if sampled and not args.calibrate:
+        raise SystemExit(f"{path} replays T > 0, which the measured T = 0 runs cannot time: add --calibrate N")
+    # the measured records are T = 0 outputs: at T > 0 they neither fit the overhead nor validate
+    measured = {"records": []} if sampled else json.loads(Path(args.measured).read_text())
     sc = result["meta"]["step_cost"]
     base = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"])
     outputs = result["outputs"]
@@ -214,7 +218,6 @@ def retime(args) -> None:
         torch.set_num_threads(args.threads)
         pipe = Pipeline.from_specs("target", "draft", dtype="float32")
         loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench}
-        sampled = result["meta"]["args"].get("temperature", 0.0) > 0
         seed = result["meta"]["args"].get("seed", 0)
         sampling = SamplingParams(temperature=result["meta"]["args"].get("temperature", 0.0))
         calibration = []

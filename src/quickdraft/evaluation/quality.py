@@ -202,6 +202,84 @@ def compare_paired(
     )
 
 
+@dataclass(frozen=True)
+class PairedMeanDifference:
+    """A per-problem score of two methods on the same problems (A − B), with a t interval.
+
+    Attributes
+    ----------
+    total:
+        Number of problems both methods were run on.
+    mean_a, mean_b:
+        Mean score of each method over the problems (each problem weighs the same).
+    difference:
+        ``mean_a − mean_b``, the mean of the per-problem differences.
+    low, high:
+        Two-sided confidence interval for the mean difference (Student's t on the per-problem
+        differences, ``total − 1`` degrees of freedom).
+    p_value:
+        Two-sided paired t-test p-value for a zero mean difference.
+    confidence:
+        Confidence level of the interval.
+    """
+
+    total: int
+    mean_a: float
+    mean_b: float
+    difference: float
+    low: float
+    high: float
+    p_value: float
+    confidence: float
+
+
+def compare_paired_means(
+    scores_a: Mapping[str, float], scores_b: Mapping[str, float], confidence: float = 0.95
+) -> PairedMeanDifference:
+    """Compare a continuous per-problem score (e.g. the target's mean log-likelihood of each output)
+    of two methods run on the same problems, by the paired t-test on the per-problem differences.
+
+    Pairing removes the between-problem variance, which dominates: prompts differ far more in how
+    predictable their answers are than two decoding methods differ on one prompt.
+
+    Examples
+    --------
+    >>> cmp = compare_paired_means({"a": -0.5, "b": -0.7, "c": -0.9}, {"a": -0.4, "b": -0.5, "c": -0.6})
+    >>> round(cmp.difference, 4), cmp.high < 0
+    (-0.2, True)
+    """
+    if not 0 < confidence < 1:
+        raise QuickdraftError(f"confidence must be in (0, 1), got {confidence}")
+    ids_a, ids_b = set(scores_a), set(scores_b)
+    if ids_a != ids_b:
+        raise QuickdraftError(
+            f"paired comparison needs the same problems: {len(ids_a - ids_b)} only in A, "
+            f"{len(ids_b - ids_a)} only in B (e.g. {sorted(ids_a ^ ids_b)[:3]})"
+        )
+    order = sorted(ids_a)
+    a = [float(scores_a[i]) for i in order]
+    b = [float(scores_b[i]) for i in order]
+    bad = [i for i, x, y in zip(order, a, b) if not (math.isfinite(x) and math.isfinite(y))]
+    if bad:
+        raise QuickdraftError(f"paired scores must be finite numbers; not for {bad[:3]}")
+    if len(order) < 2:
+        raise QuickdraftError(f"a paired t interval needs at least 2 problems, got {len(order)}")
+    diffs = [x - y for x, y in zip(a, b)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    if max(diffs) - min(diffs) <= 1e-12 * max(1.0, abs(mean)):  # no spread: the t statistic is undefined
+        low = high = mean
+        p_value = 1.0 if mean == 0 else 0.0
+    else:
+        test = stats.ttest_1samp(diffs, 0.0)
+        ci = test.confidence_interval(confidence_level=confidence)
+        low, high, p_value = float(ci.low), float(ci.high), float(test.pvalue)
+    return PairedMeanDifference(
+        total=n, mean_a=sum(a) / n, mean_b=sum(b) / n, difference=mean, low=low, high=high,
+        p_value=p_value, confidence=confidence,
+    )
+
+
 def _paired_lists(
     results_a: Sequence[bool] | Mapping[str, bool], results_b: Sequence[bool] | Mapping[str, bool]
 ) -> tuple[list[bool], list[bool]]:

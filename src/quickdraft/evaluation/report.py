@@ -33,6 +33,11 @@ that temperature finished, so all rows of a table share the same prompts.
     (:func:`quickdraft.evaluation.quality.compare_paired`): difference in pass rate, discordant counts, p.
 ``target_mean_logprob``
     Token-weighted mean of the target's log-likelihood of the generated tokens (raw distribution).
+``vs_baseline_logprob_*``
+    The same score per prompt (each output's mean log-likelihood per token), paired with the
+    baseline's on the same prompts (:func:`quickdraft.evaluation.quality.compare_paired_means`):
+    mean difference, its 95 % t interval and p. A fidelity measure where no pass/fail exists
+    (MT-Bench without a judge): a lossy rule that accepts tokens the target finds unlikely lowers it.
 ``agree_exact`` / ``agree_prefix``
     At temperature 0 only: share of prompts whose tokens equal target-alone (``ar``) greedy output
     (or, in a run without ``ar``, the lossless baseline's, which at temperature 0 is the same
@@ -59,7 +64,8 @@ CSV_FIELDS = (
     "speedup_decode", "speedup_e2e", "mean_acceptance_length", "acceptance_rate", "lossy_share",
     "target_forwards", "draft_forwards", "acceptance_by_position", "passed", "pass_at_1", "pass_low", "pass_high",
     "unparseable", "baseline", "vs_baseline_difference", "vs_baseline_only_method", "vs_baseline_only_baseline",
-    "vs_baseline_p", "target_mean_logprob", "agree_exact", "agree_prefix", "params",
+    "vs_baseline_p", "target_mean_logprob", "vs_baseline_logprob_difference", "vs_baseline_logprob_low",
+    "vs_baseline_logprob_high", "vs_baseline_logprob_p", "agree_exact", "agree_prefix", "params",
 )
 
 
@@ -100,9 +106,20 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _per_prompt_logprob(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Each record's mean target log-likelihood per token, by prompt; None if any record lacks one."""
+    out = {}
+    for r in records:
+        f = r.get("fidelity")
+        if not f or f.get("target_mean_logprob") is None:
+            return None
+        out[r["prompt_id"]] = float(f["target_mean_logprob"])
+    return out
+
+
 def summarize(records: list[dict[str, Any]], baseline: str | None = None, method_order: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per (temperature, method) over the complete cases (see the module docstring)."""
-    from quickdraft.evaluation.quality import compare_paired, pass_at_1
+    from quickdraft.evaluation.quality import compare_paired, compare_paired_means, pass_at_1
 
     rows: list[dict[str, Any]] = []
     temperatures = sorted({float(r["temperature"]) for r in records})
@@ -162,6 +179,14 @@ def summarize(records: list[dict[str, Any]], baseline: str | None = None, method
             fid = [r.get("fidelity") for r in sel]
             if all(f is not None and f.get("target_logprob_sum") is not None for f in fid):
                 row["target_mean_logprob"] = _ratio(_sum(f["target_logprob_sum"] for f in fid), _sum(f["scored_tokens"] for f in fid))
+                if base_label and m != base_label and len(sel) >= 2:
+                    mine = _per_prompt_logprob(sel)
+                    base = _per_prompt_logprob([by_method[base_label][r["prompt_id"]] for r in sel])
+                    if mine is not None and base is not None:
+                        cmp_lp = compare_paired_means(mine, base)
+                        row.update(baseline=base_label, vs_baseline_logprob_difference=cmp_lp.difference,
+                                   vs_baseline_logprob_low=cmp_lp.low, vs_baseline_logprob_high=cmp_lp.high,
+                                   vs_baseline_logprob_p=cmp_lp.p_value)
             if t == 0.0 and ar_rows and all(r["prompt_id"] in ar_rows for r in sel):
                 pairs = [(r["token_ids"], ar_rows[r["prompt_id"]]["token_ids"]) for r in sel]
                 row["agree_exact"] = sum(a == b for a, b in pairs) / len(pairs)
@@ -213,6 +238,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         ("Δ vs baseline (McNemar p)", lambda r: "–" if r["vs_baseline_difference"] is None else
             f"{100 * r['vs_baseline_difference']:+.0f} pt (+{r['vs_baseline_only_method']}/−{r['vs_baseline_only_baseline']}, p={r['vs_baseline_p']:.2f})"),
         ("target logprob", lambda r: _f(r["target_mean_logprob"], ".3f")),
+        ("Δ logprob vs baseline [95% CI]", lambda r: "–" if r["vs_baseline_logprob_difference"] is None else
+            f"{r['vs_baseline_logprob_difference']:+.3f} [{r['vs_baseline_logprob_low']:+.3f}, "
+            f"{r['vs_baseline_logprob_high']:+.3f}]"),
         ("= ar greedy", lambda r: "–" if r["agree_exact"] is None else f"{100 * r['agree_exact']:.0f}% (prefix {100 * r['agree_prefix']:.0f}%)"),
     ]
     cells = [[fn(r) for _, fn in columns] for r in rows]

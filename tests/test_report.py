@@ -190,6 +190,29 @@ def test_write_reports_and_readme(records, tmp_path):
     assert again.count("### Synthetic run") == 1
 
 
+def test_tradeoff_without_pass_rates_uses_the_paired_logprob(records, tmp_path):
+    from quickdraft.evaluation.report import _quality_points
+
+    for rec in records:  # prose: no pass/fail, the target's log-likelihood differs by method
+        rec.pop("quality")
+        i = rec["prompt_index"]
+        lp = -0.5 - 0.01 * (i % 3) - ((0.09 + 0.02 * (i % 2)) if rec["name"] == "fsd" else 0.0)
+        rec["fidelity"] = {"target_mean_logprob": lp, "target_logprob_sum": lp * rec["new_tokens"],
+                           "scored_tokens": rec["new_tokens"]}
+    rows = summarize(records, baseline="sd:k=4")
+    points, label = _quality_points(rows)
+    by_method = {r["method"]: (y, lo, hi) for r, y, lo, hi in points}
+    assert by_method["sd:k=4"] == (0.0, 0.0, 0.0) and "sd:k=4" in label and "log-likelihood" in label
+    y, lo, hi = by_method["fsd:divergence=js,threshold=0.8"]
+    assert y == pytest.approx(-0.1) and lo < y < hi < 0
+    assert "hf-ar" in by_method  # an anchor's output is scored too
+    run_dir = tmp_path / "prose"
+    _write_run(run_dir, records)
+    assert "tradeoff.png" in write_reports(run_dir)["plots"]
+    # neither pass rates nor a baseline to pair with: no trade-off plot
+    assert _quality_points(summarize(records)) is None
+
+
 def test_plot_adaptive_draws_fixed_k_against_the_policies(tmp_path):
     from quickdraft.evaluation.report import plot_adaptive
 

@@ -275,44 +275,62 @@ def _defaults() -> dict[str, Any]:
     return {n: p.default for n, p in inspect.signature(build_method).parameters.items() if p.kind is p.KEYWORD_ONLY}
 
 
+def _quality_points(rows: list[dict[str, Any]]) -> tuple[list[tuple[dict, float, float, float]], str] | None:
+    """Per row (row, y, low, high) on the quality axis of the trade-off plot, and the axis label:
+    HumanEval pass@1 with its Wilson interval where the run has it, otherwise the target's
+    log-likelihood per token against the baseline's (paired t interval; the baseline sits at 0)."""
+    if any(r["pass_at_1"] is not None for r in rows):
+        pts = [(r, 100 * r["pass_at_1"], 100 * r["pass_low"], 100 * r["pass_high"]) for r in rows
+               if r["pass_at_1"] is not None]
+        return pts, "HumanEval pass@1 (%), 95% Wilson CI"
+    base = {r["baseline"] for r in rows if r["vs_baseline_logprob_difference"] is not None}
+    if not base:
+        return None
+    pts = [(r, r["vs_baseline_logprob_difference"], r["vs_baseline_logprob_low"], r["vs_baseline_logprob_high"])
+           for r in rows if r["vs_baseline_logprob_difference"] is not None]
+    pts += [(r, 0.0, 0.0, 0.0) for r in rows if r["method"] in base]
+    return pts, f"target log-likelihood per token − {sorted(base)[0]}'s (nats), paired 95% CI"
+
+
 def plot_tradeoff(rows: list[dict[str, Any]], path: str | os.PathLike[str]) -> bool:
-    """Tokens/s (end to end) against HumanEval pass@1 with 95 % intervals: one FSD curve per
-    divergence (thresholds annotated) against lossless sd, hybrid FSD, typical and target alone."""
-    rows = [r for r in rows if r["pass_at_1"] is not None and r["e2e_tps"]]
-    if not rows:
+    """Tokens/s (end to end) against quality — HumanEval pass@1, or where there is none the target's
+    log-likelihood against the baseline's — with 95 % intervals: one FSD curve per divergence
+    (thresholds annotated) against lossless sd, hybrid FSD, typical and target alone."""
+    quality = _quality_points([r for r in rows if r["e2e_tps"]])
+    if quality is None:
         return False
+    points, ylabel = quality
     plt = _plt()
-    temps = sorted({r["temperature"] for r in rows})
+    temps = sorted({r["temperature"] for r, *_ in points})
     fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.8), squeeze=False)
     defaults = _defaults()
     for ax, t in zip(axes[0], temps):
-        sel = [r for r in rows if r["temperature"] == t]
-        curves: dict[str, list[tuple[float, dict]]] = {}
-        for r in sel:
-            p = {**defaults, **_params(r)}
-            if r["name"] == "fsd" and not p.get("hybrid"):
-                curves.setdefault(str(p["divergence"]), []).append((float(p["threshold"]), r))
+        sel = [pt for pt in points if pt[0]["temperature"] == t]
+        curves: dict[str, list[tuple[float, tuple]]] = {}
+        for pt in sel:
+            p = {**defaults, **_params(pt[0])}
+            if pt[0]["name"] == "fsd" and not p.get("hybrid"):
+                curves.setdefault(str(p["divergence"]), []).append((float(p["threshold"]), pt))
         for div, pts in sorted(curves.items()):
             pts.sort(key=lambda x: x[0])
-            xs = [r["e2e_tps"] for _, r in pts]
-            ys = [100 * r["pass_at_1"] for _, r in pts]
-            line = ax.plot(xs, ys, "-o", label=f"FSD ({div})")[0]
-            for (thr, r), x, y in zip(pts, xs, ys):
-                ax.errorbar(x, y, yerr=[[y - 100 * r["pass_low"]], [100 * r["pass_high"] - y]], color=line.get_color(), alpha=0.35, capsize=2)
-                ax.annotate(f"T={thr:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            xs = [pt[0]["e2e_tps"] for _, pt in pts]
+            ys = [pt[1] for _, pt in pts]
+            line = ax.plot(xs, ys, "-o", label=f"FSD ({div}), threshold τ")[0]
+            for (thr, (_, y, lo, hi)), x in zip(pts, xs):
+                ax.errorbar(x, y, yerr=[[y - lo], [hi - y]], color=line.get_color(), alpha=0.35, capsize=2)
+                ax.annotate(f"τ={thr:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         styles = {"sd": ("*", "lossless sd"), "typical": ("^", "typical"), "ar": ("X", "target alone"),
                   "ersd": ("D", "ERSD"), "ngram": ("v", "n-gram")}
-        for r in sel:
+        for r, y, lo, hi in sel:
             p = {**defaults, **_params(r)}
             if r["name"] == "fsd" and not p.get("hybrid"):
                 continue
             marker, label = ("s", "hybrid FSD") if r["name"] == "fsd" else styles.get(r["name"], ("o", r["name"]))
-            x, y = r["e2e_tps"], 100 * r["pass_at_1"]
-            ax.errorbar(x, y, yerr=[[y - 100 * r["pass_low"]], [100 * r["pass_high"] - y]], fmt=marker, markersize=9,
+            ax.errorbar(r["e2e_tps"], y, yerr=[[y - lo], [hi - y]], fmt=marker, markersize=9,
                         capsize=3, label=f"{label}: {r['method']}")
         ax.set_xlabel("tokens/s (end to end, prefill included)")
-        ax.set_ylabel("HumanEval pass@1 (%), 95% Wilson CI")
-        ax.set_title(f"temperature {t:g}, n={sel[0]['prompts']} problems")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"temperature {t:g}, n={sel[0][0]['prompts']} prompts")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()

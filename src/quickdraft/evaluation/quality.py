@@ -250,13 +250,7 @@ def compare_paired_means(
     """
     if not 0 < confidence < 1:
         raise QuickdraftError(f"confidence must be in (0, 1), got {confidence}")
-    ids_a, ids_b = set(scores_a), set(scores_b)
-    if ids_a != ids_b:
-        raise QuickdraftError(
-            f"paired comparison needs the same problems: {len(ids_a - ids_b)} only in A, "
-            f"{len(ids_b - ids_a)} only in B (e.g. {sorted(ids_a ^ ids_b)[:3]})"
-        )
-    order = sorted(ids_a)
+    order = _common_ids(scores_a, scores_b)
     a = [float(scores_a[i]) for i in order]
     b = [float(scores_b[i]) for i in order]
     bad = [i for i, x, y in zip(order, a, b) if not (math.isfinite(x) and math.isfinite(y))]
@@ -280,19 +274,24 @@ def compare_paired_means(
     )
 
 
+def _common_ids(a: Mapping[str, object], b: Mapping[str, object]) -> list[str]:
+    """The problem ids of two paired mappings, sorted; they must hold the same problems."""
+    ids_a, ids_b = set(a), set(b)
+    if ids_a != ids_b:
+        raise QuickdraftError(
+            f"paired comparison needs the same problems: {len(ids_a - ids_b)} only in A, "
+            f"{len(ids_b - ids_a)} only in B (e.g. {sorted(ids_a ^ ids_b)[:3]})"
+        )
+    return sorted(ids_a)
+
+
 def _paired_lists(
     results_a: Sequence[bool] | Mapping[str, bool], results_b: Sequence[bool] | Mapping[str, bool]
 ) -> tuple[list[bool], list[bool]]:
     if isinstance(results_a, Mapping) != isinstance(results_b, Mapping):
         raise QuickdraftError("pass both results as mappings (id -> passed) or both as sequences")
     if isinstance(results_a, Mapping):
-        ids_a, ids_b = set(results_a), set(results_b)
-        if ids_a != ids_b:
-            raise QuickdraftError(
-                f"paired comparison needs the same problems: {len(ids_a - ids_b)} only in A, "
-                f"{len(ids_b - ids_a)} only in B (e.g. {sorted(ids_a ^ ids_b)[:3]})"
-            )
-        order = sorted(ids_a)
+        order = _common_ids(results_a, results_b)
         a, b = [bool(results_a[i]) for i in order], [bool(results_b[i]) for i in order]
     else:
         a, b = [bool(x) for x in results_a], [bool(x) for x in results_b]

@@ -244,7 +244,9 @@ def compare_paired_means(
 
     Examples
     --------
-    >>> cmp = compare_paired_means({"a": -0.5, "b": -0.7, "c": -0.9}, {"a": -0.4, "b": -0.5, "c": -0.6})
+    >>> a = {"a": -0.5, "b": -0.7, "c": -0.9, "d": -0.6, "e": -0.8}
+    >>> b = {"a": -0.4, "b": -0.5, "c": -0.6, "d": -0.4, "e": -0.6}
+    >>> cmp = compare_paired_means(a, b)
     >>> round(cmp.difference, 4), cmp.high < 0
     (-0.2, True)
     """

@@ -16,7 +16,8 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
   ``--draft-vocab``)
 * ``ovgenai-int8-anchor``  OpenVINO GenAI's own plain decoding of the same int8 target weights;
   ``ovgenai-int8-sd`` / ``-sdN``: its own speculative decoding with the int8 draft, ``num_assistant_tokens``
-  = K (:func:`anchors.openvino_genai_generate`)
+  = K (:func:`anchors.openvino_genai_generate`); weights ending in ``:tuned`` (``ovgenai-int8:tuned-sd``):
+  GenAI compiled with the plugin settings our runner uses (:func:`quickdraft.backends.openvino.runner.tuned_config`)
 * a method ``sdN`` (e.g. ``torch-fp32/int4-sd8``) drafts ``N`` tokens instead of ``--k``; ``sdc`` / ``sdcN``
   (and ``ngram_sdc``…): at most that many, under the :class:`Confidence` policy (``--p-min``); ``ngram`` /
   ``ngramN``: prompt lookup (no draft model), n-grams of ``--ngram-min`` to 3 tokens; ``ngram_sd`` /
@@ -94,6 +95,9 @@ def parse_config(config: str) -> tuple[str, str, int | None]:
 
 #: suffix of openvino weights whose models split the cores between them (amusd runs both at once)
 SPLIT = ":split"
+#: suffix of ovgenai weights whose pipelines compile with our runner's plugin settings
+#: (:func:`quickdraft.backends.openvino.runner.tuned_config`) instead of the plugin's defaults
+TUNED = ":tuned"
 
 
 def policy_of(method: str, k: int, p_min: float):
@@ -176,7 +180,8 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         if (role, weights, threads) not in runners:
             weight_format, draft_vocab = openvino_weights(weights)
             runners[role, weights, threads] = load_openvino(role, role, weight_format=weight_format,
-                                                            draft_vocab=draft_vocab, n_threads=threads)
+                                                            draft_vocab=draft_vocab, n_threads=threads,
+                                                            drafting=role == "draft")
         return runners[role, weights, threads]
 
     from quickdraft.decoding.amusd import split_threads
@@ -191,7 +196,10 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         draft, _ = ov_runner("draft", draft_w or target_w, draft_t)
         pipes[key] = Pipeline(target.model, tok, draft.model, target_runner=target, draft_runner=draft)
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("ovgenai-")}):
-        pipes[f"ovgenai-{weights}"] = genai_pipelines(weights, any("-sd" in c for c in configs if c.startswith("ovgenai-")))
+        plain = f"ovgenai-{weights}-anchor" in configs
+        speculative = any(c.startswith(f"ovgenai-{weights}-sd") for c in configs)
+        pipes[f"ovgenai-{weights}"] = genai_pipelines(weights.removesuffix(TUNED), plain, speculative,
+                                                      tuned=weights.endswith(TUNED))
     for weights in sorted({c.split("-")[1] for c in configs if c.startswith("torch-")}):
         target_w, _, draft_w = weights.partition("/")
         target, draft = model("target", target_w), model("draft", draft_w or target_w)
@@ -210,7 +218,7 @@ class GenAIPipelines:
         self.target, self.draft, self.plain, self.speculative = target, draft, plain, speculative
 
 
-def genai_pipelines(weights: str, speculative: bool) -> GenAIPipelines:
+def genai_pipelines(weights: str, plain: bool, speculative: bool, tuned: bool = False) -> GenAIPipelines:
     """GenAI-layout exports (made once into the cache entries, from the same float32 weights and the
     same NNCF compression as the engine-layout exports) and GenAI pipelines over them."""
     from quickdraft.evaluation.anchors import openvino_genai_pipeline
@@ -219,8 +227,8 @@ def genai_pipelines(weights: str, speculative: bool) -> GenAIPipelines:
 
     dirs = [export_for(role, weights, layout="genai") for role in ("target", "draft")]
 
-    plain = openvino_genai_pipeline(dirs[0], n_threads=openvino_threads())
-    spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=openvino_threads()) if speculative else None
+    plain = openvino_genai_pipeline(dirs[0], n_threads=openvino_threads(), tuned=tuned) if plain else None
+    spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=openvino_threads(), tuned=tuned) if speculative else None
     return GenAIPipelines(dirs[0], dirs[1], plain, spec)
 
 

@@ -366,6 +366,31 @@ def test_openvino_genai_anchor_agrees_with_our_engine(ov_models, tmp_path, tiny_
     assert res_sd.new_ids == res.new_ids
 
 
+def test_openvino_genai_anchor_can_compile_with_our_plugin_settings(tmp_path, monkeypatch):
+    """``tuned=True`` hands each GenAI model the settings our runner would compile its export with."""
+    openvino_genai = pytest.importorskip("openvino_genai")
+    import json
+
+    from quickdraft.backends.openvino.export import EXPORT_MANIFEST
+    from quickdraft.backends.openvino.runner import tuned_config
+    from quickdraft.evaluation.anchors import openvino_genai_pipeline
+
+    calls = []
+    monkeypatch.setattr(openvino_genai, "LLMPipeline", lambda path, device, **kw: calls.append(("target", kw)) or "pipe")
+    monkeypatch.setattr(openvino_genai, "draft_model", lambda path, device, **kw: calls.append(("draft", kw)) or "draft")
+    manifests = {"t": {"weight_format": "int8"}, "d": {"weight_format": "int4", "compression": {"group_size": 128}}}
+    for name, manifest in manifests.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / EXPORT_MANIFEST).write_text(json.dumps(manifest))
+    openvino_genai_pipeline(tmp_path / "t", tmp_path / "d", n_threads=2, tuned=True)
+    assert calls == [("draft", {"INFERENCE_NUM_THREADS": 2, **tuned_config(manifests["d"], drafting=True)}),
+                     ("target", {"INFERENCE_NUM_THREADS": 2, **tuned_config(manifests["t"]), "draft_model": "draft"})]
+    assert calls[1][1]["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 256 and "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in calls[0][1]
+    calls.clear()
+    openvino_genai_pipeline(tmp_path / "t", n_threads=2)
+    assert calls == [("target", {"INFERENCE_NUM_THREADS": 2})]
+
+
 def _tokenizer_files(hf_dir):
     """Give a tiny model directory the word-level tokenizer of the tests (GenAI loads one)."""
     from conftest import word_tokenizer
@@ -472,6 +497,59 @@ def test_real_pair_greedy_speculative_equals_plain_on_openvino_exact():
                 assert out.token_ids == plain[row].token_ids, (method, problems[row].id)
     finally:
         torch.set_num_threads(before)
+
+
+def test_tuned_plugin_settings_follow_the_weight_format(monkeypatch):
+    """int4 quantises activations in the weights' groups (a drafting model keeps the plugin's), int8
+    in groups of 256; both get a float16
+    KV cache and, without AMX, float32 activations; uncompressed weights keep the plugin's defaults;
+    explicit precisions and ``exact`` override the tuned settings in that order."""
+    from quickdraft.backends.openvino import runner as ov_runner
+    import quickdraft.models
+
+    monkeypatch.setattr(quickdraft.models, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    int4 = ov_runner.tuned_config({"weight_format": "int4", "compression": {"mode": "int4_sym", "group_size": 64}})
+    assert int4 == {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 64, "KV_CACHE_PRECISION": "f16", "INFERENCE_PRECISION_HINT": "f32"}
+    drafting = ov_runner.tuned_config({"weight_format": "int4", "compression": {"group_size": 64}}, drafting=True)
+    assert drafting == {"KV_CACHE_PRECISION": "f16", "INFERENCE_PRECISION_HINT": "f32"}
+    int8 = ov_runner.tuned_config({"weight_format": "int8", "compression": {"mode": "int8_asym", "group_size": -1}})
+    assert int8["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == ov_runner.INT8_ACTIVATION_GROUP == 256
+    row = ov_runner.tuned_config({"weight_format": "int4", "compression": {"group_size": -1}})
+    assert row["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 256
+    assert ov_runner.tuned_config({"weight_format": "none"}) == {} and ov_runner.tuned_config({}) == {}
+    monkeypatch.setattr(quickdraft.models, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16", "amx_tile"}))
+    assert "INFERENCE_PRECISION_HINT" not in ov_runner.tuned_config({"weight_format": "int8"})
+
+    config = ov_runner.compile_config(2, kv_cache_precision="u8", tuned=int4)
+    assert config["KV_CACHE_PRECISION"] == "u8" and config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 64
+    exact = ov_runner.compile_config(2, tuned=int4, exact=True)
+    assert exact["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 0 and exact["KV_CACHE_PRECISION"] == "f32"
+    assert "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in ov_runner.compile_config(2)
+
+
+def test_runner_compiles_an_int8_export_with_the_tuned_settings(tmp_path):
+    """The plugin reports the settings the runner asked for, and ``tuned=False`` leaves its own."""
+    hf = _save(tiny_lm(seed=3, layers=2), tmp_path / "hf")
+    path = export(hf, tmp_path / "i8", "int8", progress=False)
+    tuned = OpenVINORunner(path, "target", n_threads=1)
+    assert tuned.plugin_config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 256
+    assert int(tuned.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == 256
+    assert str(tuned.compiled.get_property("KV_CACHE_PRECISION")) in ("f16", "<Type: 'float16'>")
+    plain = OpenVINORunner(path, "target", n_threads=1, tuned=False)
+    assert "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in plain.plugin_config
+    assert int(plain.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) != 256
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    tuned.reset(1)
+    plain.reset(1)
+    a, b = tuned.forward(ids).logits, plain.forward(ids).logits
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_plugin_defaults_is_an_openvino_setting():
+    from quickdraft.pipeline import Pipeline
+
+    with pytest.raises(QuickdraftError, match="plugin defaults apply to the openvino backend"):
+        Pipeline.from_specs("target", "draft", backend="torch", plugin_defaults=True)
 
 
 def test_exact_is_an_openvino_setting():

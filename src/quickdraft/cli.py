@@ -90,6 +90,10 @@ def generate(
     exact: bool = typer.Option(
         False, "--exact", help="openvino, llamacpp: batch-invariant kernels, so greedy speculative output equals plain "
         "greedy output token for token; verification costs more."),
+    plugin_defaults: bool = typer.Option(
+        False, "--plugin-defaults", help="openvino: compile the models with the CPU plugin's own settings (bf16 "
+        "activations where the CPU has them, activations quantised in groups of 32, u8 KV cache) instead of "
+        "quickdraft's tuned ones (docs/openvino.md#plugin-settings)."),
     draft_vocab: Optional[int] = typer.Option(
         None, "--draft-vocab", help="openvino: the draft's head keeps only this many token ids (the most frequent, "
         "plus end-of-sequence): faster drafting, still lossless; 0 keeps the full head. Default: 49152 when "
@@ -195,7 +199,7 @@ def generate(
             target, draft if spec.needs_draft and not by_features else None, dtype=dtype, backend=backend,
             quantize=quantize, quantize_draft=quantize_draft, draft_dtype=draft_dtype, exact=exact,
             draft_vocab=full_head_unless_given(draft_vocab, spec.rule) if spec.needs_draft and not by_features else None,
-            threads=threads,
+            threads=threads, plugin_defaults=plugin_defaults,
         )
         if by_features:
             pipe.load_feature_drafter(feature_drafter)

@@ -105,7 +105,7 @@ class Pipeline:
         cls, target: str = "target", draft: str | None = "draft", dtype: str = "auto", *,
         backend: str = "torch", quantize: str = "auto", quantize_draft: str | None = None,
         pack: bool | None = None, draft_dtype: str | None = None, exact: bool = False,
-        draft_vocab: int | None = None, threads: tuple[int, int] | None = None,
+        draft_vocab: int | None = None, threads: tuple[int, int] | None = None, plugin_defaults: bool = False,
     ) -> "Pipeline":
         """Load models by registry name, alias (``target``/``draft``), HF directory or GGUF file.
 
@@ -132,6 +132,8 @@ class Pipeline:
         ``0`` keeps the full head. On openvino with ``quantize="auto"`` the draft's defaults are
         :data:`OPENVINO_DRAFT_QUANTIZE` weights and a head of :data:`OPENVINO_DRAFT_VOCAB` ids
         (where the vocabulary is larger); an explicit ``quantize`` applies to both models.
+        ``plugin_defaults`` (openvino): compile both models with the CPU plugin's own settings
+        instead of :func:`quickdraft.backends.openvino.runner.tuned_config`'s.
         ``threads`` (openvino) = the inference threads of the target and of the draft (default: each
         gets torch's thread count); ``amusd`` runs both models at once and wants the cores split
         between them (:func:`quickdraft.decoding.amusd.split_threads`).
@@ -161,11 +163,13 @@ class Pipeline:
             raise QuickdraftError(f"a draft vocabulary (--draft-vocab) is implemented for the openvino backend, not {backend}")
         if threads is not None and backend != "openvino":
             raise QuickdraftError(f"threads per model apply to the openvino backend, not {backend}")
+        if plugin_defaults and backend != "openvino":
+            raise QuickdraftError(f"plugin defaults apply to the openvino backend, not {backend}")
         if backend == "openvino":
             preset_vocab = draft_vocab is None and default_draft
             return cls._from_openvino(target, draft, quantize, quantize_draft, exact,
                                       OPENVINO_DRAFT_VOCAB if preset_vocab else (draft_vocab or None),
-                                      vocab_if_larger=preset_vocab, threads=threads)
+                                      vocab_if_larger=preset_vocab, threads=threads, tuned=not plugin_defaults)
         if backend == "llamacpp":
             if quantize != "none" or quantize_draft != "none":
                 raise QuickdraftError("--quantize applies to the torch backend; llama.cpp runs the GGUF's own quantisation")
@@ -202,7 +206,8 @@ class Pipeline:
     @classmethod
     def _from_openvino(cls, target: str, draft: str | None, quantize: str, quantize_draft: str,
                        exact: bool = False, draft_vocab: int | None = None,
-                       vocab_if_larger: bool = False, threads: tuple[int, int] | None = None) -> "Pipeline":
+                       vocab_if_larger: bool = False, threads: tuple[int, int] | None = None,
+                       tuned: bool = True) -> "Pipeline":
         """Both models as OpenVINO exports; ``quantize`` / ``quantize_draft`` pick the NNCF weight
         format (``int8``, ``int4``, or ``none``: float32); ``vocab_if_larger``: ``draft_vocab`` applies
         only where the vocabulary has more ids (a preset, not the user's choice).
@@ -220,14 +225,15 @@ class Pipeline:
         target_threads, draft_threads = threads or (cores, cores)
 
         target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize, n_threads=target_threads,
-                                                 exact=exact)
+                                                 exact=exact, tuned=tuned)
         draft_runner = None
         if draft is not None:
             if vocab_if_larger and draft_vocab is not None and draft_vocab >= target_runner.vocab_size:
                 draft_vocab = None
             draft_runner, draft_tokenizer = load_openvino(
                 draft, "draft", weight_format=quantize_draft, n_threads=draft_threads, exact=exact,
-                vocab_size=target_runner.vocab_size, draft_vocab=draft_vocab)
+                vocab_size=target_runner.vocab_size, draft_vocab=draft_vocab, tuned=tuned,
+                drafting=True)
             check_compatible(tokenizer, draft_tokenizer, target_runner.model, draft_runner.model)
         return cls(
             target_runner.model, tokenizer, draft_runner.model if draft_runner else None,

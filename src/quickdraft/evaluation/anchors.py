@@ -6,8 +6,10 @@ like with like. Times are end to end (prefill included), because that is what th
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -116,21 +118,33 @@ def llamacpp_generate(
     return AnchorResult(new_ids=new_ids, seconds=seconds)
 
 
-def openvino_genai_pipeline(target_dir, draft_dir=None, *, n_threads: int | None = None):
+def openvino_genai_pipeline(target_dir, draft_dir=None, *, n_threads: int | None = None, tuned: bool = False):
     """An OpenVINO GenAI ``LLMPipeline`` over GenAI-layout exports
     (:func:`quickdraft.backends.openvino.export.export` with ``layout="genai"``); with ``draft_dir``
-    it runs GenAI's own speculative decoding. Needs ``openvino-genai`` (``quickdraft[openvino]``)."""
+    it runs GenAI's own speculative decoding. ``tuned``: each model compiled with the CPU plugin
+    settings our runner uses (:func:`quickdraft.backends.openvino.runner.tuned_config`) instead of the
+    plugin's defaults. Needs ``openvino-genai`` (``quickdraft[openvino]``)."""
     try:
         import openvino_genai
     except ImportError as err:  # pragma: no cover - depends on the environment
         from quickdraft.errors import QuickdraftError
 
         raise QuickdraftError(f"the OpenVINO GenAI anchors need openvino-genai: pip install 'quickdraft[openvino]' ({err})") from None
-    properties = {"INFERENCE_NUM_THREADS": int(n_threads or torch.get_num_threads())}
+
+    def properties(path, drafting: bool = False) -> dict:
+        out = {"INFERENCE_NUM_THREADS": int(n_threads or torch.get_num_threads())}
+        if tuned:
+            from quickdraft.backends.openvino.export import EXPORT_MANIFEST
+            from quickdraft.backends.openvino.runner import tuned_config
+
+            manifest = Path(path) / EXPORT_MANIFEST
+            out.update(tuned_config(json.loads(manifest.read_text()) if manifest.is_file() else {}, drafting))
+        return out
+
     if draft_dir is None:
-        return openvino_genai.LLMPipeline(str(target_dir), "CPU", **properties)
-    draft = openvino_genai.draft_model(str(draft_dir), "CPU", **properties)
-    return openvino_genai.LLMPipeline(str(target_dir), "CPU", draft_model=draft, **properties)
+        return openvino_genai.LLMPipeline(str(target_dir), "CPU", **properties(target_dir))
+    draft = openvino_genai.draft_model(str(draft_dir), "CPU", **properties(draft_dir, drafting=True))
+    return openvino_genai.LLMPipeline(str(target_dir), "CPU", draft_model=draft, **properties(target_dir))
 
 
 def openvino_genai_generate(

@@ -348,7 +348,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         "max_new_tokens",
         "methods", "anchors", "sweep", "baseline", "warmup_tokens", "fidelity", "sandbox_workers",
         "target", "draft", "dtype", "draft_dtype", "threads", "backend", "quantize", "quantize_draft",
-        "datastore", "datastore_field",
+        "plugin_defaults", "datastore", "datastore_field",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -703,11 +703,12 @@ def _now() -> str:
 
 def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quantize_draft: str | None,
                  draft_dtype: str | None = None, backend: str = "torch", datastore: dict | None = None,
-                 draft_head: int | str | None = None) -> dict:
+                 draft_head: int | str | None = None, plugin_defaults: bool = False) -> dict:
     """The models of a run as recorded in ``run.json``: quantisation only when used, so that a run
     directory without these keys still resumes; ``draft_dtype`` is the dtype the draft was loaded in;
     ``datastore`` (path and tokens) where retrieval methods run; ``draft_head``: an openvino draft's
-    head, ``"full"`` or the number of token ids it keeps (:func:`_draft_head`)."""
+    head, ``"full"`` or the number of token ids it keeps (:func:`_draft_head`); ``plugin_defaults``
+    where the openvino models were compiled with the CPU plugin's own settings."""
     meta: dict[str, Any] = {"target": target, "draft": draft, "dtype": dtype}
     if datastore is not None:
         meta["datastore"] = datastore
@@ -715,6 +716,8 @@ def _models_meta(target: str, draft: str | None, dtype: str, quantize: str, quan
         meta["draft_head"] = draft_head
     if backend != "torch":
         meta["backend"] = backend
+    if plugin_defaults:
+        meta["plugin_defaults"] = True
     if draft is not None and draft_dtype is not None:
         meta["draft_dtype"] = draft_dtype
     if quantize != "none":
@@ -980,6 +983,9 @@ def bench_command(
     quantize: Optional[str] = typer.Option(None, help="auto, none, int8, int4 or int4all (as for `generate`)."),
     quantize_draft: Optional[str] = typer.Option(
         None, "--quantize-draft", help="Override --quantize for the draft alone (int4: lossless methods stay exact)."),
+    plugin_defaults: bool = typer.Option(
+        False, "--plugin-defaults", help="openvino: compile the models with the CPU plugin's own settings instead of "
+        "quickdraft's tuned ones (as for `generate`)."),
     warmup_tokens: Optional[int] = typer.Option(None, "--warmup-tokens", help="Default 8; 0 disables warm-up."),
     sandbox_workers: Optional[int] = typer.Option(None, "--sandbox-workers", help="Concurrent HumanEval sandboxes (default 1)."),
     llamacpp_model: Optional[str] = typer.Option(None, "--llamacpp-model", help="GGUF for the llamacpp anchor."),
@@ -1000,7 +1006,7 @@ def bench_command(
         model_fields = {
             k: file_fields.pop(k, None)
             for k in ("target", "draft", "dtype", "draft_dtype", "threads", "backend", "quantize", "quantize_draft",
-                      "datastore", "datastore_field")
+                      "plugin_defaults", "datastore", "datastore_field")
         }
         cli = {
             "dataset": dataset, "limit": limit, "temperatures": list(temperature) if temperature else None,
@@ -1020,6 +1026,7 @@ def bench_command(
         quantize = quantize or model_fields["quantize"] or "auto"
         quantize_draft = quantize_draft or model_fields["quantize_draft"]
         draft_dtype = draft_dtype or model_fields["draft_dtype"]
+        plugin_defaults = bool(plugin_defaults or model_fields["plugin_defaults"])
 
         from quickdraft.evaluation.datasets import load_dataset
         from quickdraft.pipeline import resolve_quantize
@@ -1049,6 +1056,7 @@ def bench_command(
         pipe = Pipeline.from_specs(
             target, draft_spec if needs_draft else None, dtype=dtype, backend=backend, quantize=quantize,
             quantize_draft=quantize_draft, draft_dtype=draft_dtype, draft_vocab=0 if full_head else None,
+            plugin_defaults=plugin_defaults,
         )
         load_seconds = time.perf_counter() - t0
         typer.echo(f"models loaded in {load_seconds:.1f} s (excluded from every rate)", err=True)
@@ -1070,7 +1078,8 @@ def bench_command(
                                 or (quantize_draft and resolve_quantize(backend, quantize_draft)),
                                 draft_dtype=None if pipe.draft_model is None
                                 else str(getattr(pipe.draft_model, "dtype", "")).removeprefix("torch.") or None,
-                                backend=backend, datastore=datastore_meta, draft_head=_draft_head(pipe)),
+                                backend=backend, datastore=datastore_meta, draft_head=_draft_head(pipe),
+                                plugin_defaults=plugin_defaults),
             progress=not no_progress, llamacpp_model=llamacpp_model,
         )
     except QuickdraftError as err:

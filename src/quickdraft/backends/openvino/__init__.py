@@ -49,13 +49,15 @@ def export_for(spec: str | os.PathLike[str], weight_format: str = "int8", *, lay
 def load_openvino(spec: str | os.PathLike[str], name: str, *, weight_format: str = "int8",
                   n_threads: int | None = None, kv_cache_precision: str | None = None,
                   inference_precision: str | None = None, exact: bool = False, vocab_size: int | None = None,
-                  draft_vocab: int | None = None):
+                  draft_vocab: int | None = None, tuned: bool = True, drafting: bool = False):
     """``(OpenVINORunner, tokenizer)`` for a registry name, alias, Hugging Face directory or export
-    (``draft_vocab``: a draft model whose head keeps that many token ids, see ``export.draft_vocab_ids``)."""
+    (``draft_vocab``: a draft model whose head keeps that many token ids, see ``export.draft_vocab_ids``;
+    ``tuned``, ``drafting``: :class:`OpenVINORunner`'s)."""
     from transformers import AutoTokenizer
 
     out = export_for(spec, weight_format, draft_vocab=draft_vocab)
     tokenizer = AutoTokenizer.from_pretrained(out)
     runner = OpenVINORunner(out, name, n_threads=n_threads, kv_cache_precision=kv_cache_precision,
-                            inference_precision=inference_precision, exact=exact, vocab_size=vocab_size)
+                            inference_precision=inference_precision, exact=exact, vocab_size=vocab_size,
+                            tuned=tuned, drafting=drafting)
     return runner, tokenizer

@@ -78,6 +78,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--retime", default=None, metavar="RESULT",
                     help="no model work: re-fit the per-step overhead of RESULT (a T = 0 replay) on the "
                          "--measured fixed-K runs (or --calibrate runs), re-time every run and rewrite its summary")
+    ap.add_argument("--costs-from", default=None, metavar="PERF_RESULT",
+                    help="with --retime: re-score under the forward costs of a bench_perf.py result instead "
+                         "(--costs-config's target over m tokens, its draft, its engine ms per step); "
+                         "writes --out")
+    ap.add_argument("--costs-config", default="openvino-int4/int4v49152",
+                    help="the bench_perf.py configuration whose costs --costs-from takes")
     ap.add_argument("--calibrate", type=int, default=0, metavar="N",
                     help="with --retime: fit the overhead on N fresh timed runs per dataset of the stored outputs")
     return ap.parse_args()
@@ -198,6 +204,59 @@ def validate(measured: dict, replays: dict[str, dict]) -> dict:
     return out
 
 
+def perf_step_cost(perf: dict, config: str, temperature: float, max_k: int) -> tuple[StepCost, dict]:
+    """A step cost from a ``bench_perf.py`` result: ``config``'s target forward over m tokens
+    (linear between the measured m = 1, 2, 5, 9, 16), its draft's one-token forward, and the
+    engine's milliseconds per step of its ``sd`` row at ``temperature``."""
+    fs = perf["forward_seconds"]
+    ms = sorted(int(k.rsplit("=", 1)[1]) for k in fs if k.startswith(f"{config}/target/m="))
+    if not ms:
+        raise SystemExit(f"no forward costs of {config} in the perf result")
+    times = [fs[f"{config}/target/m={m}"] for m in ms]
+    target = tuple(float(np.interp(m, ms, times)) for m in range(1, max_k + 2))
+    row = perf["summary"].get(f"{config}-sd@T={temperature:.1f}")
+    if row is None or "engine_ms_per_step" not in row:
+        raise SystemExit(f"no sd row of {config} at T = {temperature} in the perf result")
+    cost = StepCost(target=target, draft=fs[f"{config}/draft/m=1"], overhead=row["engine_ms_per_step"] / 1e3)
+    source = {"config": config, "measured_m": ms, "target_by_tokens": list(target), "draft": cost.draft,
+              "overhead_per_step": cost.overhead, "machine": perf.get("machine"), "command": perf.get("command")}
+    return cost, source
+
+
+def rescore(args) -> None:
+    """Re-score a replay under another backend's forward costs: every policy's draft lengths are
+    those of the replay (a policy's stops do not depend on time), the clairvoyant optimum and the
+    best fixed K and thresholds are chosen again under the new costs."""
+    path = Path(args.retime)
+    result = json.loads(path.read_text())
+    perf = json.loads(Path(args.costs_from).read_text())
+    temperature = result["meta"]["args"].get("temperature", 0.0)
+    max_k = result["meta"]["args"]["max_k"]
+    cost, source = perf_step_cost(perf, args.costs_config, temperature, max_k)
+    for outs in result["outputs"].values():
+        for o in outs:
+            for name, r in o["runs"].items():
+                if name == "clairvoyant":
+                    c = clairvoyant(o["new_tokens"], o["match"], cost, max_k)
+                    o["runs"][name] = {**c.as_dict(), "lengths": c.lengths}
+                else:
+                    r["seconds"] = sum(cost.step(k) for k in r["lengths"])
+    result["meta"]["step_cost"] = {**source, "note": f"re-scored by --costs-from from {path.name}'s replay"}
+    result["meta"]["rescore_command"] = "python " + " ".join(sys.argv)
+    result["meta"]["validation_note"] = ("validation: steps and drafted tokens as in the replay; its modelled "
+                                         "against measured speeds hold for the replay's own cost model")
+    prefixes = ["confidence", *result["meta"]["heads"]]
+    result["summary"] = {ds: summarise(outs, prefixes) for ds, outs in result["outputs"].items()}
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1))
+    plot_adaptive_replay(result["summary"], out.with_suffix(".png"), heads=list(result["meta"]["heads"]),
+                         setting=result["meta"]["setting"] + f", {args.costs_config} forward costs")
+    print(f"step cost from {args.costs_from} ({args.costs_config}): target "
+          f"{['%.1f' % (1e3 * t) for t in cost.target]} ms, draft {1e3 * cost.draft:.1f} ms, "
+          f"engine {1e3 * cost.overhead:.1f} ms a step")
+    report(result, prefixes)
+
+
 def retime(args) -> None:
     """Re-time a result from its stored draft lengths, with the overhead fitted on the quiet measured
     runs of ``--measured`` (T = 0) or on ``--calibrate`` fresh timed runs of its stored outputs (for a
@@ -289,6 +348,9 @@ def report(result: dict, prefixes: list[str]) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.retime and args.costs_from:
+        rescore(args)
+        return
     if args.retime:
         retime(args)
         return

@@ -180,12 +180,12 @@ class OpenVINORunner:
     drafting:
         The model drafts (mostly one-token forwards): :func:`tuned_config`'s ``drafting``.
     exact:
-        Batch-invariant arithmetic (:data:`EXACT_CONFIG`). By default the plugin quantises the
-        activations of int8/int4 layers to int8 on the fly, in bf16 where the CPU has it, and
-        keeps the KV cache in u8: a forward over K+1 tokens then computes other logits than K+1
-        one-token forwards, and greedy speculative output can leave plain greedy output where
-        two tokens are close. With ``exact`` the two agree token for token, and verifying a
-        block costs more (about 2.5x a one-token forward for 5 tokens instead of about 1.1x).
+        Batch-invariant arithmetic (:data:`EXACT_CONFIG`, over ``tuned``). Otherwise the plugin
+        quantises the activations of int8/int4 layers to int8 on the fly and keeps a reduced
+        precision KV cache: a token's logits can depend on how it was fed (block, cache holes),
+        and greedy speculative output can leave plain greedy output where two tokens are close.
+        With ``exact`` the two agree token for token, and verifying a block costs more (about
+        2.5x a one-token forward for 5 tokens instead of about 1.1-1.3x).
     vocab_size:
         Width of the returned logits (default: the config's ``vocab_size``).
     release_weights:

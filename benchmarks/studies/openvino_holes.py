@@ -20,7 +20,7 @@ import statistics
 import types
 from pathlib import Path
 
-from openvino_plugin_settings import _lscpu  # this script's folder is on sys.path
+from openvino_compression import _lscpu  # the studies' CPU record (this script's folder is on sys.path)
 
 
 def main() -> None:
@@ -53,17 +53,17 @@ def main() -> None:
             order = list(policies) if (i + rnd) % 2 == 0 else list(policies)[::-1]
             for name in order:
                 target._maybe_compact = types.MethodType(policies[name], target)
-                outs = {}
+                runs = {}
                 for method in ("ar", "sd", "ngram_sd"):
                     out = pipe.generate([""], prompt_ids=[ids], method=method, k=4, sampling=greedy,
                                         max_new_tokens=args.max_new_tokens)
-                    outs[method] = out.completions[0].text
-                    records.append({"round": rnd, "prompt_id": problem.id, "rollback": name, "method": method,
+                    runs[method] = {"round": rnd, "prompt_id": problem.id, "rollback": name, "method": method,
                                     "tokens_per_second": out.metrics.tokens_per_second,
-                                    "text": out.completions[0].text})
+                                    "text": out.completions[0].text}
                 for method in ("sd", "ngram_sd"):
-                    records[-3 + ("ar", "sd", "ngram_sd").index(method)]["identical_to_ar"] = outs[method] == outs["ar"]
-                print(rnd, problem.id, name, {m: outs[m] == outs["ar"] for m in ("sd", "ngram_sd")}, flush=True)
+                    runs[method]["identical_to_ar"] = runs[method]["text"] == runs["ar"]["text"]
+                records.extend(runs.values())
+                print(rnd, problem.id, name, {m: runs[m]["identical_to_ar"] for m in ("sd", "ngram_sd")}, flush=True)
     summary = {}
     for name in policies:
         for method in ("ar", "sd", "ngram_sd"):

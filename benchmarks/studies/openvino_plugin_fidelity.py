@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from openvino_plugin_settings import SETTINGS, _lscpu  # this script's folder is on sys.path
+from openvino_compression import _lscpu  # the studies' CPU record (this script's folder is on sys.path)
+from openvino_plugin_settings import SETTINGS
 
 
 def answer_logits(runner, prompt: list[int], answer: list[int], m: int) -> torch.Tensor:

@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from openvino_compression import _lscpu  # the studies' CPU record (this script's folder is on sys.path)
 
 #: name -> OpenVINORunner keyword arguments
 SETTINGS = {
@@ -51,14 +52,6 @@ EXPORTS = (
 )
 BLOCKS = (1, 2, 3, 5, 9, 16)
 READ_BACK = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
-
-
-def _lscpu() -> dict:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    return {"model": fields.get("Model name", "").strip(),
-            "isa": sorted(f for f in flags if f.startswith(("avx", "amx")))}
 
 
 def measure(path: Path, settings: dict[str, dict], threads: int, repeats: int, prefill: int, seed: int) -> dict:

@@ -6,10 +6,8 @@ like with like. Times are end to end (prefill included), because that is what th
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -134,11 +132,10 @@ def openvino_genai_pipeline(target_dir, draft_dir=None, *, n_threads: int | None
     def properties(path, drafting: bool = False) -> dict:
         out = {"INFERENCE_NUM_THREADS": int(n_threads or torch.get_num_threads())}
         if tuned:
-            from quickdraft.backends.openvino.export import EXPORT_MANIFEST
+            from quickdraft.backends.openvino.export import read_manifest
             from quickdraft.backends.openvino.runner import tuned_config
 
-            manifest = Path(path) / EXPORT_MANIFEST
-            out.update(tuned_config(json.loads(manifest.read_text()) if manifest.is_file() else {}, drafting))
+            out.update(tuned_config(read_manifest(path), drafting))
         return out
 
     if draft_dir is None:

@@ -326,6 +326,13 @@ def export_dir_name(weight_format: str, layout: str = "engine", draft_vocab: int
     return f"openvino-{weight_format}" + (f"-vocab{int(draft_vocab)}" if draft_vocab else "")
 
 
+def read_manifest(out_dir: str | Path) -> dict:
+    """The export's manifest (:data:`EXPORT_MANIFEST`: weight format, compression, vocabulary …),
+    or ``{}`` where there is none."""
+    manifest = Path(out_dir) / EXPORT_MANIFEST
+    return json.loads(manifest.read_text()) if manifest.is_file() else {}
+
+
 def is_exported(out_dir: str | Path) -> bool:
     """Whether ``out_dir`` holds a complete export of the current graph version."""
     out_dir = Path(out_dir)

@@ -21,7 +21,6 @@ returns: a lossless method is lossless with respect to *this* backend's distribu
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from contextlib import nullcontext
@@ -35,7 +34,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.backends.runner import ForwardOutput
 from quickdraft.verification.sampling import check_finite
 
-from .export import EXPORT_MANIFEST, MODEL_XML
+from .export import MODEL_XML, read_manifest
 from .pages import WeightPages
 
 #: additive mask value of a slot a token must not see
@@ -232,8 +231,7 @@ class OpenVINORunner:
             generation_config = GenerationConfig.from_pretrained(path)
         self.vocab_size = int(vocab_size or config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30) or (1 << 30))
-        manifest = path / EXPORT_MANIFEST
-        self.export_info = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        self.export_info = read_manifest(path)
         # a draft vocabulary: the head's rows are these token ids (None: the whole vocabulary)
         self.head_ids = _head_ids(self.export_info)
         # the fingerprint of the exported weights (quickdraft.decoding.head.model_fingerprint), for head checks

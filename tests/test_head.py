@@ -17,6 +17,7 @@ from quickdraft.adaptive.headtrain import (
     baseline_design,
     build_dataset,
     confidence_features,
+    drawing_states,
     expected_new_tokens,
     fit_logistic,
     head_path_for,
@@ -343,6 +344,54 @@ def test_lockstep_labels_and_features_equal_fresh_forwards(tiny_target, tiny_dra
         assert 0 < int((~d["loss_mask"]).sum()) < 27
 
 
+def test_drawing_states_are_the_states_that_drew_the_lockstep_draft_tokens(tiny_target, tiny_draft):
+    """The draft's output layer on :func:`drawing_states` gives back the distributions the lockstep
+    draft tokens were drawn from (their confidence features as recorded), position by position; the
+    states one position later (the fed states) do not."""
+    pipe = _tiny_pipe(tiny_target, tiny_draft)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    cfg = TrainConfig(max_new_tokens=9, response_temperature=1.0)
+    data = lockstep_batch(pipe, prompts, cfg, (1.0,), seed=5)
+    d = data["by_temperature"][1.0]
+    states = drawing_states(pipe.draft, prompts, data["responses"])
+    assert states.shape == (27, 32) and states.dtype == torch.bfloat16
+
+    def stats_of(h):
+        with torch.no_grad():
+            probs = tiny_draft.lm_head(h.float()).softmax(-1)
+        return confidence_features(probs, d["draft_ids"])
+
+    assert torch.allclose(stats_of(states), d["draft_stats"], atol=3e-2)
+    shifted = torch.cat([states[1:], states[-1:]])
+    assert not torch.allclose(stats_of(shifted), d["draft_stats"], atol=3e-2)
+
+
+def test_a_drawing_state_head_trains_saves_and_loads(tmp_path):
+    """``reads="drawing"`` trains on the drawing features at every position (loss mask ignored) and
+    the file keeps what the head reads; the fed-state head trains on the masked positions."""
+    gen = torch.Generator().manual_seed(0)
+    n = 2400
+    drawing = torch.randn(n, 16, generator=gen)
+    labels = torch.sigmoid(3 * drawing[:, 0])  # acceptance lives in the drawing state
+    ex = Examples(features=torch.randn(n, 16, generator=gen), labels=labels,
+                  loss_mask=torch.rand(n, generator=gen) > 0.5, groups=torch.arange(n) // 40, data_hash="x",
+                  draft_stats=torch.rand(n, 3, generator=gen), temperature=0.0, drawing_features=drawing)
+    cfg = TrainConfig(num_layers=1, epochs=30, lr=3e-3, reject_weight=2.0, reads="drawing", holdout=0.3)
+    head, report = train_head(ex, cfg, log=lambda m: None)
+    assert head.reads == "drawing" and report["reads"] == "drawing"
+    assert report["train_positions"] + report["validation_positions"] + report["heldout_positions"] == n
+    assert report["brier_unweighted"] < 0.8 * report["brier_constant_baseline"]
+    loaded = load_head(save_head(head, tmp_path / "d.pt"))
+    assert loaded.reads == "drawing"
+    fed, fed_report = train_head(ex, TrainConfig(num_layers=1, epochs=2, holdout=0.3), log=lambda m: None)
+    assert fed.reads == "fed" and fed_report["train_positions"] < int(ex.loss_mask.sum())
+    no_drawing = Examples(ex.features, ex.labels, ex.loss_mask, ex.groups, "x")
+    with pytest.raises(QuickdraftError, match="drawing_features"):
+        train_head(no_drawing, cfg, log=lambda m: None)
+    with pytest.raises(QuickdraftError, match="reads must be one of"):
+        TrainConfig(reads="next")
+
+
 def test_lockstep_rows_stop_after_eos(tiny_target, tiny_draft):
     pipe = _tiny_pipe(tiny_target, tiny_draft)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
@@ -374,6 +423,12 @@ def test_build_dataset_groups_cache_and_resume(tmp_path, tiny_target, tiny_draft
         assert torch.bincount(ex[t].groups).tolist() == [6] * 5  # no EOS: 6 positions per prompt
         assert ex[t].draft_stats.shape == (30, 3) and ex[t].temperature == t
     assert ex[0.0].data_hash != ex[0.7].data_hash
+    # a head on the drawing state: the states are computed once and added to the cached batches
+    drawing_cfg = TrainConfig(max_new_tokens=6, gen_batch=2, mix_ratio=0.15, reads="drawing")
+    drawn = build_dataset(pipe, prompts, drawing_cfg, (0.0, 0.7), tmp_path, time_budget=1e-9, log=quiet)
+    assert drawn[0.0].drawing_features.shape == (30, 32) and drawn[0.0].data_hash == ex[0.0].data_hash
+    assert all("drawing_features" in torch.load(f, weights_only=True) for f in tmp_path.glob("lockstep-*.pt"))
+    assert ex[0.0].drawing_features is None
     again = build_dataset(pipe, prompts, cfg, (0.0, 0.7), tmp_path, log=quiet)  # all from the cache
     assert again[0.7].data_hash == ex[0.7].data_hash and torch.equal(again[0.7].features, ex[0.7].features)
     fresh = build_dataset(pipe, prompts, cfg, (0.0, 0.7), None, log=quiet)  # no cache: same data
@@ -414,6 +469,10 @@ def test_offline_policy_estimate():
     best_fixed = max(v for k, v in sim.items() if k.startswith("fixed"))
     assert sim["specdecpp_h0.5"] > 1.2 * best_fixed
     assert specdecpp_lengths(torch.tensor([0.9, 0.9]), 0.5, 1).tolist() == [1, 1]
+    # a drawing-state head stops after one token where the draft is unsure; the fed state's cannot
+    # (positions past the end predict 0: from the last start the second token is already at risk)
+    assert specdecpp_lengths(torch.tensor([0.1, 0.9]), 0.5, 10, reads="drawing").tolist() == [1, 2]
+    assert specdecpp_lengths(torch.tensor([0.1, 0.9]), 0.5, 10).tolist() == [2, 3]
     assert expected_new_tokens(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([5, 1, 1])).tolist() == [4.0, 2.0, 2.0]
 
 

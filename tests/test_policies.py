@@ -201,6 +201,37 @@ def test_specdecpp_with_confidence_inputs_stops_when_the_draft_is_unsure():
         pol.keep_drafting(0, sure, h)
 
 
+def test_specdecpp_with_a_drawing_state_head_scores_each_token_at_once():
+    """A head that reads the state that drew a token scores it at the call that hands it over, so the
+    policy can stop after one token (a head reading the fed state cannot stop before two)."""
+    sure = torch.tensor([[0.95, 0.03, 0.01, 0.01]])
+    unsure = torch.tensor([[0.30, 0.25, 0.25, 0.20]])
+    h = torch.zeros(1, 32)
+    first = torch.tensor([0])
+    drawing = confidence_head([20.0, 0.0, 0.0, 0.0], bias=-12.0)  # P = sigmoid(20 (top - 0.6))
+    drawing.reads = "drawing"
+    pol = SpecDecPP(drawing, threshold=0.3, max_k=10)
+    pol.begin_step()
+    assert not pol.keep_drafting(0, unsure, h, token=first)  # token 0 scored at once: one token drafted
+    assert pol.risk().item() > 0.99
+    pol.begin_step()
+    assert pol.keep_drafting(0, sure, h, token=first) and pol.risk().item() < 0.01
+    assert not pol.keep_drafting(1, unsure, h, token=first)  # token 1 scored at call 1: two drafted
+    fed = confidence_head([20.0, 0.0, 0.0, 0.0], bias=-12.0)
+    pol = SpecDecPP(fed, threshold=0.3, max_k=10)
+    pol.begin_step()
+    assert pol.keep_drafting(0, unsure, h, token=first)  # the fed state's head has scored nothing yet
+    # a constant drawing-state head: risks 1 - 0.8^(i+1), one token earlier than the fed state's
+    const = constant_head(0.8)
+    const.reads = "drawing"
+    pol = SpecDecPP(const, threshold=0.3, max_k=10)
+    pol.begin_step()
+    probs = torch.full((1, 4), 0.25)
+    assert [pol.keep_drafting(i, probs, h) for i in range(2)] == [True, False]
+    with pytest.raises(QuickdraftError, match="reads one of"):
+        AcceptanceHead(8, reads="next")
+
+
 def test_specdecpp_errors():
     pol = SpecDecPP(constant_head(0.8), threshold=0.5)
     pol.begin_step()
@@ -267,10 +298,19 @@ def _policies(draft_model=None):
         # confidence inputs: the drafter must hand over the drafted tokens (tiny draft: top probs ~0.06-0.13)
         SpecDecPP(confidence_head([1.0, 0.0, 0.0, 1.0], bias=1.0, mean=[0.09, 0, 0, -3.0], std=[0.02, 1, 1, 0.5]),
                   threshold=0.5, max_k=8),
+        # a head on the drawing state, which may stop after one token
+        SpecDecPP(drawing(confidence_head([1.0, 0.0, 0.0, 1.0], bias=1.0, mean=[0.09, 0, 0, -3.0],
+                                          std=[0.02, 1, 1, 0.5])), threshold=0.5, max_k=8),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+def drawing(head: AcceptanceHead) -> AcceptanceHead:
+    """``head`` reading the state that drew each token instead of the state at it."""
+    head.reads = "drawing"
+    return head
+
+
+@pytest.mark.parametrize("index", range(7))
 def test_greedy_output_equals_plain_decoding_with_every_policy(tiny_target, tiny_draft, index):
     target = ModelRunner(tiny_target, "target")
     plain = generate(target, PROMPTS, method="ar", max_new_tokens=24)
@@ -303,6 +343,7 @@ ADAPTIVE = [
     # the draft's top probabilities are ~0.2-0.6: every batch has rows that stop the draft
     ("confidence", lambda: Confidence(p_min=0.38, max_k=3, batch_rule="any")),
     ("specdecpp", lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=3)),
+    ("specdecpp-drawing", lambda: SpecDecPP(drawing(random_head(3)), threshold=0.5, min_k=1, max_k=3)),
 ]
 
 

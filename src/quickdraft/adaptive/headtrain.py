@@ -60,6 +60,7 @@ import typer
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.head import (
     NUM_CONFIDENCE_STATS,
+    READS,
     AcceptanceHead,
     HeadMetadata,
     baseline_design,
@@ -97,6 +98,10 @@ class TrainConfig:
         (``num_stats = 4``, :func:`quickdraft.decoding.head.baseline_design` of the examples' ``draft_stats``;
         ignored when the examples have none). False (the default) trains the paper's
         hidden-state-only head.
+    reads: the draft state the head scores a token from (:data:`quickdraft.decoding.head.READS`):
+        ``"fed"`` (the paper's; the state at ``Z_j`` in the mixed context) or ``"drawing"`` (the
+        state whose logits drew ``y_j``, over the target's prefix ``X_<j``: :func:`drawing_states`;
+        every position is a training position, the mixing does not touch that context).
     """
 
     num_prompts: int = 288
@@ -115,8 +120,11 @@ class TrainConfig:
     holdout: float = 0.2
     seed: int = 0
     confidence_inputs: bool = False
+    reads: str = "fed"
 
     def __post_init__(self) -> None:
+        if self.reads not in READS:
+            raise QuickdraftError(f"reads must be one of {', '.join(READS)}, got {self.reads!r}")
         if not 0.0 <= self.mix_ratio < 1.0:
             raise QuickdraftError(f"mix_ratio must be in [0, 1), got {self.mix_ratio}")
         if self.reject_weight <= 0:
@@ -144,6 +152,7 @@ class Examples:
     draft_stats: ``[N, 3]`` the draft's confidence at ``y_j`` (:func:`quickdraft.decoding.head.confidence_features`),
         or None.
     temperature: the label temperature.
+    drawing_features: ``[N, H]`` the draft's states that drew ``y_j`` (:func:`drawing_states`), or None.
     """
 
     features: torch.Tensor
@@ -153,6 +162,7 @@ class Examples:
     data_hash: str
     draft_stats: Optional[torch.Tensor] = None
     temperature: float = 1.0
+    drawing_features: Optional[torch.Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,6 +426,29 @@ def lockstep_batch(pipe, prompts: list[list[int]], cfg: TrainConfig, temperature
     return out
 
 
+def drawing_states(draft, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+    """The draft's hidden states that drew each response position's draft token, ``[n, H]`` bf16.
+
+    Position ``j`` of a row's response ``x`` is labelled with the draft token ``y_j ~ q_j`` where ``q_j``
+    conditions on the target's prefix ``X_<j`` (:func:`lockstep_batch`), so the state that drew
+    ``y_j`` is the draft's last hidden state over ``prompt + x_<j``: one teacher-forced pass per row
+    over ``prompt + x[:-1]``. Rows in order, positions in order: the order of :func:`lockstep_batch`'s
+    positions. In a real step the state that draws draft token ``i`` sits on the accepted context
+    and draft tokens ``0 .. i-1``, which equal the target's tokens whenever token ``i`` can be
+    accepted at all, so this is the state the policy sees at every token whose label matters.
+    """
+    states = []
+    for prompt, response in zip(prompts, responses):
+        if not response:
+            continue
+        draft.reset(1)
+        ids = torch.tensor([list(prompt) + list(response[:-1])], dtype=torch.long)
+        out = draft.forward(ids, logits_to_keep=len(response), output_hidden=True)
+        states.append(out.hidden[0].to(torch.bfloat16))
+    draft.reset(0)
+    return torch.cat(states)
+
+
 def build_dataset(pipe, prompt_ids: list[list[int]], cfg: TrainConfig, temperatures: tuple[float, ...],
                   cache: Path | None, fingerprint: str = "", eos_ids: set[int] | None = None,
                   time_budget: float = 0.0, log=print) -> dict[float, Examples]:
@@ -426,7 +459,9 @@ def build_dataset(pipe, prompt_ids: list[list[int]], cfg: TrainConfig, temperatu
     of the models), so an interrupted build resumes. Batches run in a seeded random order; with
     ``time_budget > 0`` (seconds) no new batch is started once the budget would be exceeded
     (estimated from the batches so far) and the examples hold the batches done (cached ones
-    included): a random subset of the prompts. Run again to add the rest.
+    included): a random subset of the prompts. Run again to add the rest. With
+    ``cfg.reads == "drawing"`` each batch also gets :func:`drawing_states` (computed once, kept in
+    its cache file).
     """
     temps = tuple(float(t) for t in temperatures)
     batches = _prompt_batches(prompt_ids, cfg.gen_batch)
@@ -441,7 +476,11 @@ def build_dataset(pipe, prompt_ids: list[list[int]], cfg: TrainConfig, temperatu
                           "temps": list(temps), "mix": cfg.mix_ratio, "seed": seed, "models": fingerprint})
         path = cache / f"lockstep-{key[:24]}.pt" if cache is not None else None
         if path is not None and path.exists():
-            results.append((idx, torch.load(path, weights_only=True)))
+            data = torch.load(path, weights_only=True)
+            if cfg.reads == "drawing" and "drawing_features" not in data:
+                data["drawing_features"] = drawing_states(pipe.draft, batch, data["responses"])
+                torch.save(data, path)
+            results.append((idx, data))
             continue
         elapsed = time.perf_counter() - t0
         if time_budget and elapsed + (elapsed / built if built else 0.0) > time_budget:
@@ -450,6 +489,8 @@ def build_dataset(pipe, prompt_ids: list[list[int]], cfg: TrainConfig, temperatu
         t1 = time.perf_counter()
         data = lockstep_batch(pipe, batch, cfg, temps, seed=seed, eos_ids=eos_ids)
         data["by_temperature"] = {str(t): v for t, v in data["by_temperature"].items()}  # torch.load-safe keys
+        if cfg.reads == "drawing":
+            data["drawing_features"] = drawing_states(pipe.draft, batch, data["responses"])
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(data, path)
@@ -477,6 +518,8 @@ def build_dataset(pipe, prompt_ids: list[list[int]], cfg: TrainConfig, temperatu
             features=torch.cat(parts["features"]), labels=torch.cat(parts["labels"]).float(),
             loss_mask=torch.cat(parts["loss_mask"]), groups=torch.cat(parts["groups"]), data_hash=digest.hexdigest(),
             draft_stats=torch.cat(parts["draft_stats"]), temperature=t,
+            drawing_features=torch.cat([data["drawing_features"] for _, data in results])
+            if cfg.reads == "drawing" else None,
         )
     return examples
 
@@ -514,20 +557,31 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     reads ``baseline_design(draft_stats)`` next to the hidden states wherever it is called, starting
     from the logistic baseline's fit (module docstring, step 5).
 
+    With ``cfg.reads == "drawing"`` the head reads ``examples.drawing_features`` and trains on every
+    position (the context-only positions of the mixing included: the drawing state never saw the
+    mixed context).
+
     Returns the head of the epoch with the lowest validation loss and a report: losses per epoch,
     Brier scores on the test positions (the head's, un-weighted with :func:`unweight`, and those of
     the baselines), reliability tables of the test positions, ``confidence_inputs`` (whether the
     head reads the draft's confidence).
     """
     torch.manual_seed(cfg.seed)  # nn.Linear's initialisation reads the global generator
+    if cfg.reads == "drawing":
+        if examples.drawing_features is None:
+            raise QuickdraftError("a head on the drawing state needs the examples' drawing_features (build_dataset "
+                                  "with reads='drawing')")
+        features, usable = examples.drawing_features, torch.ones_like(examples.loss_mask)
+    else:
+        features, usable = examples.features, examples.loss_mask
     val, test = split_groups(examples.groups, cfg.holdout, cfg.seed)
-    train_sel = examples.loss_mask & ~val & ~test
-    val_sel, test_sel = examples.loss_mask & val, examples.loss_mask & test
+    train_sel = usable & ~val & ~test
+    val_sel, test_sel = usable & val, usable & test
     if int(train_sel.sum()) == 0 or int(val_sel.sum()) == 0 or int(test_sel.sum()) == 0:
         raise QuickdraftError("too little training data: no training, validation or test positions")
-    x_tr, y_tr = examples.features[train_sel].float(), examples.labels[train_sel]
-    x_va, y_va = examples.features[val_sel].float(), examples.labels[val_sel]
-    x_te, y_te = examples.features[test_sel].float(), examples.labels[test_sel]
+    x_tr, y_tr = features[train_sel].float(), examples.labels[train_sel]
+    x_va, y_va = features[val_sel].float(), examples.labels[val_sel]
+    x_te, y_te = features[test_sel].float(), examples.labels[test_sel]
     has_stats = examples.draft_stats is not None
     use_stats = bool(cfg.confidence_inputs) and has_stats
 
@@ -541,7 +595,7 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     if has_stats:  # the simple baseline: logistic on the draft's confidence
         base_weights, _ = fit_logistic(d_tr, y_tr)
     head = AcceptanceHead(x_tr.shape[1], cfg.num_layers, metadata, num_stats=NUM_CONFIDENCE_STATS if use_stats else 0,
-                          shared_blocks=cfg.shared_blocks)
+                          shared_blocks=cfg.shared_blocks, reads=cfg.reads)
     head.set_normalisation(x_tr, s_tr)
     with torch.no_grad():
         if use_stats:  # start at the logistic baseline (weighted: bias - log w), the hidden term at 0
@@ -583,6 +637,7 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     calibrated = unweight(pred, cfg.reject_weight)
     report = {
         "confidence_inputs": use_stats,
+        "reads": cfg.reads,
         "train_positions": int(train_sel.sum()),
         "validation_positions": int(val_sel.sum()),
         "heldout_positions": int(test_sel.sum()),
@@ -598,7 +653,7 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
         "reliability_raw": reliability_table(pred, y_te),
         "reliability_unweighted": reliability_table(calibrated, y_te),
     }
-    msg = (f"  head on {'hidden state + draft confidence' if use_stats else 'hidden state'}, "
+    msg = (f"  head on the {cfg.reads} {'state + draft confidence' if use_stats else 'state'}, "
            f"best epoch {best[2]}: validation loss {best[0]:.4f}; test Brier raw {report['brier_raw']:.4f}, "
            f"unweighted {report['brier_unweighted']:.4f}, constant {report['brier_constant_baseline']:.4f}, "
            f"base rate {report['brier_base_rate']:.4f}")
@@ -612,9 +667,9 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     log(msg)
     if draft_cost is not None:
         with torch.no_grad():
-            all_pred = torch.sigmoid(head(examples.features[test].float(), design(test) if use_stats else None))  # what the policy reads
+            all_pred = torch.sigmoid(head(features[test].float(), design(test) if use_stats else None))  # what the policy reads
         sim = simulate_policies(examples.labels[test], all_pred, examples.groups[test], draft_cost,
-                                thresholds=thresholds, max_k=10)
+                                thresholds=thresholds, max_k=10, reads=cfg.reads)
         best_fixed = max((n for n in sim if n.startswith("fixed")), key=sim.get)
         best_sdpp = max((n for n in sim if n.startswith("specdecpp")), key=sim.get)
         report["simulated_tokens_per_target_time"] = {"draft_cost": draft_cost, **sim}
@@ -649,17 +704,25 @@ def expected_new_tokens(labels: torch.Tensor, lengths: torch.Tensor) -> torch.Te
     return 1.0 + (alive * use).sum(dim=1)
 
 
-def specdecpp_lengths(preds: torch.Tensor, threshold: float, max_k: int) -> torch.Tensor:
+def specdecpp_lengths(preds: torch.Tensor, threshold: float, max_k: int, reads: str = "fed") -> torch.Tensor:
     """Draft lengths :class:`quickdraft.decoding.policies.SpecDecPP` chooses at each start of one response,
     from the head's predictions ``preds [n]`` (the same numbers the policy reads): after drafting
-    token ``i >= 1`` it stops once ``1 - prod_{l < i} P̂_{s+l} > h`` (``[n]`` int64, in ``1..max_k``).
+    token ``i >= 1`` it stops once ``1 - prod_{l < i} P̂_{s+l} > h`` (``[n]`` int64, in ``1..max_k``);
+    a head on the drawing state (``reads="drawing"``) also scores token ``i`` itself, so the product
+    runs over ``l <= i`` and a step may stop after one token.
 
     >>> specdecpp_lengths(torch.tensor([0.9, 0.9, 0.2, 0.9]), 0.5, 10).tolist()
     [4, 3, 2, 3]
+    >>> specdecpp_lengths(torch.tensor([0.9, 0.9, 0.2, 0.9]), 0.5, 10, reads="drawing").tolist()
+    [3, 2, 1, 1]
     """
+    risk = 1.0 - _ahead(preds, max_k, 0.0).cumprod(dim=1)  # [n, max_k]: risk after scoring tokens 0..i
+    if reads == "drawing":
+        stop = risk > threshold  # stop after drafting token i (i + 1 tokens drafted)
+        return torch.where(stop.any(dim=1), stop.float().argmax(dim=1) + 1,
+                           torch.full_like(stop[:, 0], max_k, dtype=torch.long))
     if max_k <= 1:
         return torch.ones(preds.numel(), dtype=torch.long)
-    risk = 1.0 - _ahead(preds, max_k, 0.0).cumprod(dim=1)  # [n, max_k]: risk after scoring tokens 0..i
     stop = risk[:, : max_k - 1] > threshold  # stop after drafting token i + 1 (i + 2 tokens drafted)
     first = torch.where(stop.any(dim=1), stop.float().argmax(dim=1) + 2, torch.full_like(stop[:, 0], max_k, dtype=torch.long))
     return first.clamp(max=max_k)
@@ -667,14 +730,15 @@ def specdecpp_lengths(preds: torch.Tensor, threshold: float, max_k: int) -> torc
 
 def simulate_policies(labels: torch.Tensor, preds: torch.Tensor, groups: torch.Tensor, draft_cost: float,
                       fixed_k: tuple[int, ...] = tuple(range(1, 11)), thresholds: tuple[float, ...] = (),
-                      max_k: int = 10) -> dict[str, float]:
+                      max_k: int = 10, reads: str = "fed") -> dict[str, float]:
     """Offline estimate of each policy's speed, in new tokens per target-forward time.
 
     A step starting at any response position ``s`` (renewal-reward: every position is a start) costs
     ``K_s * draft_cost + 1`` target-forward times (a draft forward per token; verifying ``K`` tokens
     costs one forward on a memory-bound target) and yields :func:`expected_new_tokens`. Labels are
     exact acceptance probabilities given the target's prefix; the estimate ignores that a real draft's
-    prefix is the draft's own accepted tokens. ``labels, preds, groups [N]`` (one response per group).
+    prefix is the draft's own accepted tokens. ``labels, preds, groups [N]`` (one response per group);
+    ``reads`` as in :func:`specdecpp_lengths`.
     """
     results: dict[str, float] = {}
     responses = [groups == g for g in groups.unique()]
@@ -685,7 +749,7 @@ def simulate_policies(labels: torch.Tensor, preds: torch.Tensor, groups: torch.T
         for sel in responses:
             a, p = labels[sel], preds[sel]
             ks = torch.full_like(a, int(arg), dtype=torch.long) if name.startswith("fixed") else \
-                specdecpp_lengths(p, float(arg), max_k)
+                specdecpp_lengths(p, float(arg), max_k, reads)
             new += float(expected_new_tokens(a, ks).sum())
             cost += float((ks.float() * draft_cost + 1.0).sum())
         results[name] = new / cost
@@ -805,20 +869,21 @@ def run_training(cfg: TrainConfig, target: str = "target", draft: str = "draft",
             draft=ALIASES.get(draft, draft), target=ALIASES.get(target, target),
             draft_fingerprint=fingerprint, data_hash=ex.data_hash, temperature=t,
         )
-        log(f"T={t:g}: training on {int(ex.loss_mask.sum())} labelled positions ...")
+        labelled = int(ex.labels.numel()) if cfg.reads == "drawing" else int(ex.loss_mask.sum())
+        log(f"T={t:g}: training on {labelled} labelled positions ...")
         t0 = time.perf_counter()
         head, report = train_head(ex, replace(cfg, temperature=t), meta, log, draft_cost=draft_cost)
         report.update(
             config=asdict(replace(cfg, temperature=t)), target=meta.target, draft=meta.draft, data_hash=meta.data_hash,
             num_prompts=len(prompts), prompts_used=int(ex.groups.unique().numel()), dtype=dtype,
             response_tokens=int(ex.labels.numel()),
-            labelled_positions=int(ex.loss_mask.sum()),
+            labelled_positions=labelled,
             seconds={"data_all_temperatures_incl_cache_loads": t_data, "training": time.perf_counter() - t0},
         )
         head.metadata.extra = {k: report[k] for k in (
             "brier_raw", "brier_unweighted", "brier_constant_baseline", "brier_base_rate", "brier_logistic_baseline",
             "train_positions", "validation_positions", "heldout_positions", "response_tokens", "prompts_used",
-            "confidence_inputs")
+            "confidence_inputs", "reads")
             if k in report}
         head.metadata.extra["reject_weight"] = cfg.reject_weight
         if "suggested_thresholds" in report:
@@ -866,6 +931,10 @@ def train_head_command(
                                            help="The head also reads the draft's confidence at the drafted token "
                                                 "(top probability, entropy, log probabilities); off (default) = the paper's "
                                                 "hidden-state-only head."),
+    reads: str = typer.Option(TrainConfig.reads, "--reads",
+                              help="The draft state a token is scored from: 'fed' (the paper's: the state at the token, "
+                                   "so at least two tokens are drafted) or 'drawing' (the state that drew it: a step "
+                                   "may stop after one token)."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
     time_budget: float = typer.Option(0.0, "--time-budget", help="Seconds; start no data batch after this and "
                                       "train on the batches done (cached: run again to add more). 0 = no limit."),
@@ -881,7 +950,7 @@ def train_head_command(
                           response_temperature=response_temperature, temperature=temperature[0], mix_ratio=mix_ratio,
                           reject_weight=reject_weight, num_layers=num_layers, epochs=epochs, lr=lr,
                           weight_decay=weight_decay, seed=seed, confidence_inputs=confidence_inputs,
-                          shared_blocks=shared_blocks)
+                          shared_blocks=shared_blocks, reads=reads)
         run_training(cfg, target=target, draft=draft, out=out, report_path=report, plot_path=plot, threads=threads,
                      temperatures=tuple(temperature), time_budget=time_budget, dtype=dtype,
                      log=lambda m: typer.echo(m, err=True))

@@ -10,7 +10,14 @@ optionally, a linear term in the draft's own confidence ``s_i`` at that token:
     \\hat P_i = \\sigma(w^\\top z_L + c + v^\\top \\tilde s_i)
 
 ``P̂_i`` estimates the probability that draft token ``i`` is accepted given that every draft token
-before it was, ``E[min(1, p(y_i)/q(y_i))]``. ``μ, σ`` are the training features' per-dimension
+before it was, ``E[min(1, p(y_i)/q(y_i))]``.
+
+Which state ``h_i`` is (``reads``): ``"fed"`` (the paper's) is the draft's state *at* token ``i``,
+computed when ``y_i`` is fed back to draft ``y_{i+1}``, so a token is scored one draft forward after
+it is drawn and at least two tokens are drafted before a policy can stop. ``"drawing"`` is the state
+whose logits drew ``y_i`` (the state at the token before it), available the moment ``y_i`` is drawn:
+the head scores a token at once and a policy may stop after one token, which matters where a
+verification of two tokens costs little more than one and the best fixed draft length is 1. ``μ, σ`` are the training features' per-dimension
 mean and standard deviation (stored with the weights), ``L`` the depth. With ``shared_blocks`` (the
 default of ``quickdraft train-head``, as the paper's code, whose ``[ResBlock(H)] * L`` repeats one
 block) every layer is the same block, ``W_l = W``; otherwise each layer has its own weights.
@@ -27,7 +34,7 @@ the weights in float16 (the normalisation buffers ``feature_*`` / ``stats_*`` an
 in float32), ``num_stats`` and :class:`HeadMetadata`: which draft (and target) it was trained for, a
 fingerprint of the draft's weights, and the hash of its training data. :func:`load_head` checks
 the file and, when asked, that it belongs to the draft model in use; a file without ``num_stats``
-is a head with ``num_stats = 0``.
+is a head with ``num_stats = 0``, one without ``reads`` a head that reads the ``"fed"`` state.
 
 References
 ----------
@@ -49,6 +56,7 @@ from quickdraft.models import model_fingerprint
 FORMAT = "quickdraft-acceptance-head"
 FORMAT_VERSION = 1
 FLOAT32_PREFIXES = ("feature_", "stats_")  # state-dict keys saved in float32 (normalisation, the v term)
+READS = ("fed", "drawing")  # which draft state a head scores a token from (module docstring)
 
 
 @dataclass
@@ -148,15 +156,21 @@ class AcceptanceHead(nn.Module):
     shared_blocks:
         One residual block applied ``num_layers`` times (the paper's code) instead of ``num_layers``
         blocks of their own.
+    reads:
+        ``"fed"`` (the paper's: the state at the token) or ``"drawing"`` (the state that drew it);
+        see the module docstring. :class:`quickdraft.decoding.policies.SpecDecPP` follows it.
     """
 
     def __init__(self, hidden_size: int, num_layers: int = 1, metadata: HeadMetadata | None = None,
-                 num_stats: int = 0, shared_blocks: bool = False) -> None:
+                 num_stats: int = 0, shared_blocks: bool = False, reads: str = "fed") -> None:
         super().__init__()
         if hidden_size < 1 or num_layers < 0 or num_stats < 0:
             raise QuickdraftError(
                 f"need hidden_size >= 1, num_layers >= 0 and num_stats >= 0, got {hidden_size}, {num_layers}, {num_stats}"
             )
+        if reads not in READS:
+            raise QuickdraftError(f"a head reads one of the states {', '.join(READS)}, got {reads!r}")
+        self.reads = reads
         self.hidden_size = int(hidden_size)
         self.num_layers = int(num_layers)
         self.num_stats = int(num_stats)
@@ -262,6 +276,7 @@ def save_head(head: AcceptanceHead, path: str | Path) -> Path:
         "num_layers": head.num_layers,
         "num_stats": head.num_stats,
         "shared_blocks": head.shared_blocks,
+        "reads": head.reads,
         "metadata": asdict(head.metadata),
         "state_dict": state,
     }
@@ -272,7 +287,8 @@ def save_head(head: AcceptanceHead, path: str | Path) -> Path:
 def load_head(path: str | Path, draft_name: str | None = None) -> AcceptanceHead:
     """Load a head saved by :func:`save_head` (a file without ``num_stats`` is a head
     with ``num_stats = 0``, the paper's head without confidence inputs; one without
-    ``shared_blocks`` has a block of its own per layer).
+    ``shared_blocks`` has a block of its own per layer; one without ``reads`` reads the ``"fed"``
+    state).
 
     Parameters
     ----------
@@ -301,7 +317,8 @@ def load_head(path: str | Path, draft_name: str | None = None) -> AcceptanceHead
         )
     head = AcceptanceHead(int(payload["hidden_size"]), int(payload["num_layers"]), meta,
                           num_stats=int(payload.get("num_stats", 0)),
-                          shared_blocks=bool(payload.get("shared_blocks", False)))
+                          shared_blocks=bool(payload.get("shared_blocks", False)),
+                          reads=str(payload.get("reads", "fed")))
     head.load_state_dict({k: v.float() for k, v in payload["state_dict"].items()})
     return head.eval()
 

@@ -35,8 +35,9 @@ Policies
                    one more token costs almost nothing on a memory-bound target)
 ``SpecDecPP``      stop once the predicted probability that some drafted token is rejected,
                    ``1 − Π_i P̂_i``, exceeds a threshold ``h`` (Huang, Guo & Wang 2024);
-                   ``P̂_i`` from the draft's hidden state and, if the head reads them, its
-                   confidence at the token
+                   ``P̂_i`` from the draft's hidden state at the token (or, for a head that
+                   reads the drawing state, the state that drew it) and, if the head reads
+                   them, its confidence at the token
 =================  ==========================================================================
 
 Batches
@@ -327,6 +328,10 @@ class SpecDecPP(Policy):
     (hidden state of the already-accepted context) it is empty, so at least ``min(2, max_k)``
     tokens are drafted.
 
+    A head that reads the *drawing* state (``head.reads == "drawing"``) scores token ``i`` at call
+    ``i`` from ``hidden`` (the state whose logits drew it) and ``s_i``: the product then runs over
+    tokens ``0 .. i`` and the policy may stop after a single token.
+
     A head with confidence inputs (``head.num_stats > 0``) also reads
     ``s_i = baseline_design(confidence_features(draft_probs_i, token_i))``, the draft's own
     confidence at token ``i``: the policy computes it at call ``i`` (which hands over token ``i``
@@ -394,7 +399,9 @@ class SpecDecPP(Policy):
             from quickdraft.decoding.head import baseline_design, confidence_features
 
             stats = baseline_design(confidence_features(draft_probs, token))  # [B, num_stats], token i's
-        if i >= 1:  # hidden is draft token i-1's state; at i = 0 it is the accepted context's
+        if self.head.reads == "drawing":  # hidden drew token i: score it now
+            self._accept.append(self.head.accept_prob(hidden, stats))  # [B]
+        elif i >= 1:  # hidden is draft token i-1's state; at i = 0 it is the accepted context's
             if self.head.num_stats and self._stats is None:
                 raise QuickdraftError(f"specdecpp: keep_drafting({i}) without the call for token {i - 1} this step")
             self._accept.append(self.head.accept_prob(hidden, self._stats))  # [B]

@@ -19,7 +19,7 @@ from quickdraft.verification.sampling import SamplingParams
 from quickdraft.backends.runner import ModelRunner
 
 from conftest import TINY_VOCAB
-from test_policies import confidence_head, random_head
+from test_policies import confidence_head, drawing, random_head
 
 COST = StepCost(target=(1.0, 1.05, 1.1, 1.2, 1.3, 1.45, 1.6), draft=0.3, overhead=0.02)
 
@@ -83,6 +83,9 @@ def _factories(draft_model):
         "specdecpp": lambda: SpecDecPP(random_head(0), threshold=0.5, max_k=8),
         "specdecpp_stats": lambda: SpecDecPP(
             confidence_head([1.0, 0.0, 0.0, 1.0], bias=1.0, mean=[0.09, 0, 0, -3.0], std=[0.02, 1, 1, 0.5]),
+            threshold=0.5, max_k=8),
+        "specdecpp_drawing": lambda: SpecDecPP(
+            drawing(confidence_head([1.0, 0.0, 0.0, 1.0], bias=1.0, mean=[0.09, 0, 0, -3.0], std=[0.02, 1, 1, 0.5])),
             threshold=0.5, max_k=8),
     }
 

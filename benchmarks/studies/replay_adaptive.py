@@ -21,6 +21,11 @@ time model is fitted on the generation runs here (timed), or, without them, on t
 Several heads (``--head LABEL=PATH``, repeated) are replayed side by side: each gets its own
 SpecDec++ thresholds under its label.
 
+``--outputs-from RESULT`` replays new policies (another head) on the outputs of an earlier replay:
+no generation, the same prompts, setting and cost model (its forward times and overhead); each
+output's chains are drafted again and must reproduce the stored ``match`` exactly, and the stops of
+every policy are recomputed, so policies the earlier run also replayed come out as before.
+
 Selection is honest: besides the in-sample best (best fixed K and best threshold chosen on the same
 prompts, as in the wall-clock benchmark), ``heldout`` chooses K and the threshold on half of the
 prompts and scores them on the other half (two folds: even / odd prompt index).
@@ -75,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7, help="timings per forward size (median)")
     ap.add_argument("--out", default="benchmarks/results/adaptive_replay_t0.json")
+    ap.add_argument("--outputs-from", default=None, metavar="RESULT",
+                    help="replay the policies on the stored outputs of an earlier replay (no generation; its "
+                         "setting, prompts and cost model); the re-drafted chains must reproduce its match")
     ap.add_argument("--retime", default=None, metavar="RESULT",
                     help="no model work: re-fit the per-step overhead of RESULT (a T = 0 replay) on the "
                          "--measured fixed-K runs (or --calibrate runs), re-time every run and rewrite its summary")
@@ -202,6 +210,20 @@ def validate(measured: dict, replays: dict[str, dict]) -> dict:
         out[f"{ds}_spearman"] = float(rho.statistic)
         out[f"{ds}_model_over_measured_range"] = [min(ratios), max(ratios)]
     return out
+
+
+def same_runs(source: dict, outputs: dict[str, list[dict]]) -> dict[str, str]:
+    """For every run name both results replayed: whether its draft lengths are the same on every
+    output ("equal") or not ("differs"): a policy replayed again on the same outputs must agree."""
+    old = {o["prompt_id"]: o["runs"] for outs in source["outputs"].values() for o in outs}
+    verdict: dict[str, str] = {}
+    for outs in outputs.values():
+        for o in outs:
+            for name, run in o["runs"].items():
+                if name in old.get(o["prompt_id"], {}):
+                    same = run["lengths"] == old[o["prompt_id"]][name]["lengths"]
+                    verdict[name] = "equal" if same and verdict.get(name, "equal") == "equal" else "differs"
+    return verdict
 
 
 def perf_step_cost(perf: dict, config: str, temperature: float, max_k: int) -> tuple[StepCost, dict]:
@@ -341,6 +363,11 @@ def report(result: dict, prefixes: list[str]) -> None:
             print(f"   held-out {prefix}: " + ", ".join(f"{f['chosen']} vs {f['chosen_fixed']} {f['gain']:+.1%}"
                                                        for f in folds))
     for source, v in result["validation"].items():
+        if source == "outputs_from":
+            differs = [name for name, verdict in v["same_runs_as_source"].items() if verdict != "equal"]
+            print(f"outputs of {v['result']}: match reproduced on {v['match_reproduced']}/{v['outputs']}; runs of "
+                  f"policies both replayed: {'all equal' if not differs else 'differ: ' + ', '.join(differs)}")
+            continue
         print(f"validation on {source}: {v['steps_equal']}/{v['runs_compared']} runs with equal steps, "
               f"{v['steps_and_drafted_equal']} also equal drafted; "
               + ", ".join(f"{k} {v[k]:.2f}" for k in v if k.endswith("spearman")))
@@ -356,6 +383,14 @@ def main() -> None:
         return
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
+    source_result = None
+    if args.outputs_from:  # the earlier replay decides the setting, the prompts and the cost model
+        source_result = json.loads(Path(args.outputs_from).read_text())
+        src_args = source_result["meta"]["args"]
+        args.temperature, args.seed = src_args.get("temperature", 0.0), src_args.get("seed", 0)
+        args.max_new_tokens, args.max_k = src_args["max_new_tokens"], src_args["max_k"]
+        args.prompts = max(len(outs) for outs in source_result["outputs"].values())
+        args.measured = ""
     sampled = args.temperature > 0
     sampling = SamplingParams(temperature=args.temperature)
     rule = ExponentialRace(seed=args.seed) if sampled else None
@@ -371,12 +406,19 @@ def main() -> None:
     for rec in measured["records"]:
         if rec["temperature"] == 0:
             known.setdefault(rec["prompt_id"], rec["tokens"])
+    stored = {}  # prompt id -> the earlier replay's output record (--outputs-from)
+    if source_result is not None:
+        stored = {o["prompt_id"]: o for outs in source_result["outputs"].values() for o in outs}
+        known = {pid: o["tokens"] for pid, o in stored.items()}
     loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench}
     prompts = {ds: [(p.id, pipe.encode_messages(p.messages)) for p in loaders[ds](args.prompts)] for ds in loaders}
 
     # one cost model for every replay: forwards after a real prompt
     ctx = prompts["humaneval"][0][1]
-    if args.step_cost_from:  # forward times do not depend on the temperature or the rule
+    if source_result is not None:
+        sc = source_result["meta"]["step_cost"]
+        cost = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"], overhead=sc["overhead_per_step"])
+    elif args.step_cost_from:  # forward times do not depend on the temperature or the rule
         sc = json.loads(Path(args.step_cost_from).read_text())["meta"]["step_cost"]
         cost = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"])
     else:
@@ -391,13 +433,15 @@ def main() -> None:
     # datasets interleaved (humaneval 0, mtbench 0, humaneval 1, ...) so that --max-seconds cuts both evenly
     order = [(ds, item) for i in range(args.prompts) for ds, plist in prompts.items() if i < len(plist)
              for item in [plist[i]]]
+    if stored:
+        order = [(ds, item) for ds, item in order if item[0] in stored]
     for ds, (pid, ids) in order:
         if args.max_seconds and time.perf_counter() - t_start > args.max_seconds:
             print(f"--max-seconds {args.max_seconds:g} reached: {sum(map(len, outputs.values()))} outputs replayed",
                   flush=True)
             break
         t0 = time.perf_counter()
-        source = "measured"
+        source = stored[pid]["source"] if stored else "measured"
         tokens = known.get(pid)
         if tokens is None:
             source = "generated"
@@ -411,6 +455,8 @@ def main() -> None:
                               "drafted": bm.drafted_tokens, "decode_seconds": bm.decode_seconds})
         table = draft_chains(pipe.draft, ids, tokens, factories, args.max_k, pipe.vocab_size,
                              propose=propose, rows=args.rows)
+        if stored and table.match != stored[pid]["match"]:
+            raise SystemExit(f"{pid}: the re-drafted chains do not reproduce the match of {args.outputs_from}")
         runs = replay_output(len(tokens), table, cost, args)
         replays[pid] = runs
         outputs[ds].append({"prompt_id": pid, "source": source, "new_tokens": len(tokens),
@@ -420,15 +466,20 @@ def main() -> None:
 
     # per-step overhead (sampling, bookkeeping, cache truncation): median of (measured - forwards-only
     # model) / steps over this run's generation runs, or over the measured fixed-K runs without them
-    fit_on = generated or [r for r in measured["records"] if r["config"].startswith("fixed_k")]
-    fit_source = "this run's generation runs (sd, K = 4)" if generated else "measured fixed-K runs"
-    residuals = []
-    for rec in fit_on:
-        rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
-        if rep is not None:
-            residuals.append((rec["decode_seconds"] - rep["seconds"]) / rec["steps"])
-    raw_overhead = float(np.median(residuals)) if residuals else 0.0
-    overhead = max(0.0, raw_overhead)
+    if source_result is not None:  # the earlier replay's fitted overhead, already in the cost
+        sc = source_result["meta"]["step_cost"]
+        fit_source = f"{args.outputs_from}: {sc.get('overhead_note', '')}"
+        raw_overhead, overhead = sc.get("overhead_fit_before_clipping", cost.overhead), cost.overhead
+    else:
+        fit_on = generated or [r for r in measured["records"] if r["config"].startswith("fixed_k")]
+        fit_source = "this run's generation runs (sd, K = 4)" if generated else "measured fixed-K runs"
+        residuals = []
+        for rec in fit_on:
+            rep = replays.get(rec["prompt_id"], {}).get(rec["config"])
+            if rep is not None:
+                residuals.append((rec["decode_seconds"] - rep["seconds"]) / rec["steps"])
+        raw_overhead = float(np.median(residuals)) if residuals else 0.0
+        overhead = max(0.0, raw_overhead)
     cost = StepCost(target=cost.target, draft=cost.draft, overhead=overhead)
     for ds, outs in outputs.items():  # re-time with the overhead (step counts do not change)
         for o in outs:
@@ -455,7 +506,12 @@ def main() -> None:
         # tokens left (the replay mirrors it), so against them only the steps must agree; this run's
         # generation runs are checked on steps and drafted tokens
         "validation": {"measured_records": validate(measured, replays),
-                       "generation_runs": validate({"records": generated}, replays)},
+                       "generation_runs": validate({"records": generated}, replays)}
+        if source_result is None else
+        {**source_result["validation"],
+         "outputs_from": {"result": args.outputs_from, "outputs": sum(map(len, outputs.values())),
+                          "match_reproduced": sum(map(len, outputs.values())),
+                          "same_runs_as_source": same_runs(source_result, outputs)}},
         "summary": {ds: summarise(outs, prefixes) for ds, outs in outputs.items()},
         "generation_runs": generated,
         "outputs": outputs,

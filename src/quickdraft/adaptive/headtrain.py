@@ -714,7 +714,7 @@ def specdecpp_lengths(preds: torch.Tensor, threshold: float, max_k: int, reads: 
     >>> specdecpp_lengths(torch.tensor([0.9, 0.9, 0.2, 0.9]), 0.5, 10).tolist()
     [4, 3, 2, 3]
     >>> specdecpp_lengths(torch.tensor([0.9, 0.9, 0.2, 0.9]), 0.5, 10, reads="drawing").tolist()
-    [3, 2, 1, 1]
+    [3, 2, 1, 2]
     """
     risk = 1.0 - _ahead(preds, max_k, 0.0).cumprod(dim=1)  # [n, max_k]: risk after scoring tokens 0..i
     if reads == "drawing":

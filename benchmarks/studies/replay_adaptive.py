@@ -216,14 +216,15 @@ def same_runs(source: dict, outputs: dict[str, list[dict]]) -> dict[str, str]:
     """For every run name both results replayed: whether its draft lengths are the same on every
     output ("equal") or not ("differs"): a policy replayed again on the same outputs must agree."""
     old = {o["prompt_id"]: o["runs"] for outs in source["outputs"].values() for o in outs}
-    verdict: dict[str, str] = {}
+    compared, differ = set(), set()
     for outs in outputs.values():
         for o in outs:
             for name, run in o["runs"].items():
                 if name in old.get(o["prompt_id"], {}):
-                    same = run["lengths"] == old[o["prompt_id"]][name]["lengths"]
-                    verdict[name] = "equal" if same and verdict.get(name, "equal") == "equal" else "differs"
-    return verdict
+                    compared.add(name)
+                    if run["lengths"] != old[o["prompt_id"]][name]["lengths"]:
+                        differ.add(name)
+    return {name: "differs" if name in differ else "equal" for name in compared}
 
 
 def perf_step_cost(perf: dict, config: str, temperature: float, max_k: int) -> tuple[StepCost, dict]:

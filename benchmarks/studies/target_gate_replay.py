@@ -49,41 +49,36 @@ def target_confidence(pipe: Pipeline, prompt: list[int], output: list[int]) -> l
     return torch.softmax(logits.float(), dim=-1).max(dim=-1).values.tolist()
 
 
-def gate_seconds(outputs: list[dict], cost: StepCost, tau: float, k_lo: int, k_hi: int) -> tuple[float, int]:
-    seconds, tokens = 0.0, 0
-    for o in outputs:
+def tokens_per_s(outputs: list[dict], run) -> float:
+    """Modelled tokens/s of ``run(o) -> ReplayResult`` over ``outputs``."""
+    results = [run(o) for o in outputs]
+    return sum(r.new_tokens for r in results) / sum(r.seconds for r in results)
+
+
+def fixed(k: int, cost: StepCost):
+    return lambda o: walk(o["new_tokens"], o["match"], lambda j: k, cost)
+
+
+def gate(tau: float, k_lo: int, k_hi: int, cost: StepCost):
+    """The target gate: ``k_hi`` tokens where the target's confidence before the step is at least ``tau``."""
+    def run(o):
         c = o["target_confidence"]
-        r = walk(o["new_tokens"], o["match"], lambda j: k_hi if c[j] >= tau else k_lo, cost)
-        seconds += r.seconds
-        tokens += r.new_tokens
-    return seconds, tokens
-
-
-def rate(outputs, cost, choose_k) -> float:
-    s = sum(walk(o["new_tokens"], o["match"], lambda j, k=choose_k: k, cost).seconds for o in outputs)
-    return sum(o["new_tokens"] for o in outputs) / s
+        return walk(o["new_tokens"], o["match"], lambda j: k_hi if c[j] >= tau else k_lo, cost)
+    return run
 
 
 def evaluate(outputs: list[dict], cost: StepCost, max_k: int) -> dict:
-    fixed = {k: rate(outputs, cost, k) for k in range(1, max_k + 1)}
-    best_k = max(fixed, key=fixed.get)
-    gates = {}
-    for tau, k_lo, k_hi in itertools.product(TAUS, range(1, max_k + 1), range(1, max_k + 1)):
-        if k_lo < k_hi:
-            s, n = gate_seconds(outputs, cost, tau, k_lo, k_hi)
-            gates[(tau, k_lo, k_hi)] = n / s
+    """Best fixed K, best gate on the grid and the clairvoyant bound on ``outputs``."""
+    rates = {k: tokens_per_s(outputs, fixed(k, cost)) for k in range(1, max_k + 1)}
+    best_k = max(rates, key=rates.get)
+    gates = {(tau, k_lo, k_hi): tokens_per_s(outputs, gate(tau, k_lo, k_hi, cost))
+             for tau, k_lo, k_hi in itertools.product(TAUS, range(1, max_k + 1), range(1, max_k + 1)) if k_lo < k_hi}
     best_gate = max(gates, key=gates.get)
-    cv = clairvoyant_rate(outputs, cost, max_k)
-    return {"best_fixed_k": best_k, "best_fixed_tokens_per_s": fixed[best_k],
-            "gate": {"tau": best_gate[0], "k_lo": best_gate[1], "k_hi": best_gate[2]},
-            "gate_gain": gates[best_gate] / fixed[best_k] - 1, "clairvoyant_gain": cv / fixed[best_k] - 1,
-            "gate_share_of_clairvoyant": (gates[best_gate] / fixed[best_k] - 1) / (cv / fixed[best_k] - 1),
-            "_gates": gates, "_fixed": fixed}
-
-
-def clairvoyant_rate(outputs, cost, max_k) -> float:
-    s = sum(clairvoyant(o["new_tokens"], o["match"], cost, max_k).seconds for o in outputs)
-    return sum(o["new_tokens"] for o in outputs) / s
+    bound = tokens_per_s(outputs, lambda o: clairvoyant(o["new_tokens"], o["match"], cost, max_k))
+    gain, bound_gain = gates[best_gate] / rates[best_k] - 1, bound / rates[best_k] - 1
+    return {"best_fixed_k": best_k, "best_fixed_tokens_per_s": rates[best_k],
+            "gate": dict(zip(("tau", "k_lo", "k_hi"), best_gate)),
+            "gate_gain": gain, "clairvoyant_gain": bound_gain, "gate_share_of_clairvoyant": gain / bound_gain}
 
 
 def main() -> None:
@@ -122,10 +117,10 @@ def main() -> None:
         for pick, score in ((folds[0], folds[1]), (folds[1], folds[0])):
             chosen = evaluate(pick, cost, max_k)
             g = chosen["gate"]
-            s, n = gate_seconds(score, cost, g["tau"], g["k_lo"], g["k_hi"])
-            base = rate(score, cost, chosen["best_fixed_k"])
-            held.append({"chosen": g, "chosen_fixed_k": chosen["best_fixed_k"], "gain": (n / s) / base - 1})
-        summary[ds] = {k: v for k, v in full.items() if not k.startswith("_")} | {"heldout": held}
+            gain = (tokens_per_s(score, gate(g["tau"], g["k_lo"], g["k_hi"], cost))
+                    / tokens_per_s(score, fixed(chosen["best_fixed_k"], cost)) - 1)
+            held.append({"chosen": g, "chosen_fixed_k": chosen["best_fixed_k"], "gain": gain})
+        summary[ds] = full | {"heldout": held}
         print(f"{ds}: best fixed K = {full['best_fixed_k']} {full['best_fixed_tokens_per_s']:.2f} tok/s; target gate "
               f"{full['gate']} {full['gate_gain']:+.1%} ({full['gate_share_of_clairvoyant']:.0%} of the bound "
               f"{full['clairvoyant_gain']:+.1%}); held out " + " / ".join(f"{h['gain']:+.1%}" for h in held), flush=True)

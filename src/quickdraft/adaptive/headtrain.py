@@ -164,6 +164,17 @@ class Examples:
     temperature: float = 1.0
     drawing_features: Optional[torch.Tensor] = None
 
+    def training_view(self, reads: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(features [N, H], usable [N] bool)`` of a head that reads ``reads``: the fed states at the
+        loss positions, or the drawing states at every position (the mixing never touches their
+        context)."""
+        if reads != "drawing":
+            return self.features, self.loss_mask
+        if self.drawing_features is None:
+            raise QuickdraftError("a head on the drawing state needs the examples' drawing_features (build_dataset "
+                                  "with reads='drawing')")
+        return self.drawing_features, torch.ones_like(self.loss_mask)
+
 
 # ---------------------------------------------------------------------------------------------
 # pure pieces
@@ -567,13 +578,7 @@ def train_head(examples: Examples, cfg: TrainConfig, metadata: HeadMetadata | No
     head reads the draft's confidence).
     """
     torch.manual_seed(cfg.seed)  # nn.Linear's initialisation reads the global generator
-    if cfg.reads == "drawing":
-        if examples.drawing_features is None:
-            raise QuickdraftError("a head on the drawing state needs the examples' drawing_features (build_dataset "
-                                  "with reads='drawing')")
-        features, usable = examples.drawing_features, torch.ones_like(examples.loss_mask)
-    else:
-        features, usable = examples.features, examples.loss_mask
+    features, usable = examples.training_view(cfg.reads)
     val, test = split_groups(examples.groups, cfg.holdout, cfg.seed)
     train_sel = usable & ~val & ~test
     val_sel, test_sel = usable & val, usable & test
@@ -717,15 +722,13 @@ def specdecpp_lengths(preds: torch.Tensor, threshold: float, max_k: int, reads: 
     [3, 2, 1, 2]
     """
     risk = 1.0 - _ahead(preds, max_k, 0.0).cumprod(dim=1)  # [n, max_k]: risk after scoring tokens 0..i
-    if reads == "drawing":
-        stop = risk > threshold  # stop after drafting token i (i + 1 tokens drafted)
-        return torch.where(stop.any(dim=1), stop.float().argmax(dim=1) + 1,
-                           torch.full_like(stop[:, 0], max_k, dtype=torch.long))
-    if max_k <= 1:
+    # risk column i decides after drafting token i (drawing state) or token i + 1 (fed state)
+    lag = 0 if reads == "drawing" else 1
+    stop = risk[:, : max_k - lag] > threshold
+    if stop.shape[1] == 0:  # max_k = 1 with the fed state: nothing is scored before the one token
         return torch.ones(preds.numel(), dtype=torch.long)
-    stop = risk[:, : max_k - 1] > threshold  # stop after drafting token i + 1 (i + 2 tokens drafted)
-    first = torch.where(stop.any(dim=1), stop.float().argmax(dim=1) + 2, torch.full_like(stop[:, 0], max_k, dtype=torch.long))
-    return first.clamp(max=max_k)
+    drafted = stop.float().argmax(dim=1) + 1 + lag
+    return torch.where(stop.any(dim=1), drafted, torch.full_like(drafted, max_k))
 
 
 def simulate_policies(labels: torch.Tensor, preds: torch.Tensor, groups: torch.Tensor, draft_cost: float,
@@ -869,7 +872,7 @@ def run_training(cfg: TrainConfig, target: str = "target", draft: str = "draft",
             draft=ALIASES.get(draft, draft), target=ALIASES.get(target, target),
             draft_fingerprint=fingerprint, data_hash=ex.data_hash, temperature=t,
         )
-        labelled = int(ex.labels.numel()) if cfg.reads == "drawing" else int(ex.loss_mask.sum())
+        labelled = int(ex.training_view(cfg.reads)[1].sum())
         log(f"T={t:g}: training on {labelled} labelled positions ...")
         t0 = time.perf_counter()
         head, report = train_head(ex, replace(cfg, temperature=t), meta, log, draft_cost=draft_cost)

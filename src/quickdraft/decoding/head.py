@@ -17,8 +17,10 @@ computed when ``y_i`` is fed back to draft ``y_{i+1}``, so a token is scored one
 it is drawn and at least two tokens are drafted before a policy can stop. ``"drawing"`` is the state
 whose logits drew ``y_i`` (the state at the token before it), available the moment ``y_i`` is drawn:
 the head scores a token at once and a policy may stop after one token, which matters where a
-verification of two tokens costs little more than one and the best fixed draft length is 1. ``μ, σ`` are the training features' per-dimension
-mean and standard deviation (stored with the weights), ``L`` the depth. With ``shared_blocks`` (the
+verification of two tokens costs little more than one and the best fixed draft length is 1.
+
+``μ, σ`` are the training features' per-dimension mean and standard deviation (stored with the
+weights), ``L`` the depth. With ``shared_blocks`` (the
 default of ``quickdraft train-head``, as the paper's code, whose ``[ResBlock(H)] * L`` repeats one
 block) every layer is the same block, ``W_l = W``; otherwise each layer has its own weights.
 

@@ -185,11 +185,11 @@ def load_pipelines(configs: list[str], base_dtype: str) -> dict:
         return runners[role, weights, threads]
 
     from quickdraft.decoding.amusd import split_threads
-    from quickdraft.backends.openvino.runner import yield_cores_to_openvino
+    from quickdraft.backends.threads import yield_torch_threads
 
     for key in sorted({parse_config(c)[0] for c in configs if c.startswith("openvino-")}):
         weights = key.split("-", 1)[1].removesuffix(SPLIT)
-        cores = yield_cores_to_openvino()
+        cores = yield_torch_threads()
         target_t, draft_t = split_threads(cores) if key.endswith(SPLIT) else (cores, cores)
         target_w, _, draft_w = weights.partition("/")
         target, tok = ov_runner("target", target_w, target_t)
@@ -223,12 +223,12 @@ def genai_pipelines(weights: str, plain: bool, speculative: bool, tuned: bool = 
     same NNCF compression as the engine-layout exports) and GenAI pipelines over them."""
     from quickdraft.evaluation.anchors import openvino_genai_pipeline
     from quickdraft.backends.openvino import export_for
-    from quickdraft.backends.openvino.runner import openvino_threads
+    from quickdraft.backends.threads import runtime_threads
 
     dirs = [export_for(role, weights, layout="genai") for role in ("target", "draft")]
 
-    plain = openvino_genai_pipeline(dirs[0], n_threads=openvino_threads(), tuned=tuned) if plain else None
-    spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=openvino_threads(), tuned=tuned) if speculative else None
+    plain = openvino_genai_pipeline(dirs[0], n_threads=runtime_threads(), tuned=tuned) if plain else None
+    spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=runtime_threads(), tuned=tuned) if speculative else None
     return GenAIPipelines(dirs[0], dirs[1], plain, spec)
 
 

@@ -177,6 +177,26 @@ def test_default_mode_speculative_decoding_runs_and_accepts_the_same_model(runne
     assert spec.batch_metrics.target_forwards < plain.batch_metrics.target_forwards
 
 
+def test_a_model_loaded_after_torch_yielded_its_threads_gets_the_cores(gguf, monkeypatch):
+    """In a process where a pipeline set torch to one thread (the openvino backend does), a llama.cpp
+    model still decodes on the cores torch had, not on torch's one thread."""
+    from quickdraft.backends import threads
+    from quickdraft.backends.llamacpp import load_llamacpp
+
+    monkeypatch.setattr(threads, "_TORCH_THREADS", 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner, _ = load_llamacpp(gguf, "draft", n_ctx=64)
+        assert runner.gguf.n_threads == 2
+        runner.close()
+        runner, _ = load_llamacpp(gguf, "draft", n_ctx=64, n_threads=1)  # an explicit count wins
+        assert runner.gguf.n_threads == 1
+        runner.close()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_exact_mode_is_chosen_by_the_environment_for_the_target_only(monkeypatch):
     monkeypatch.setenv("QUICKDRAFT_LLAMA_EXACT", "1")
     assert exact_from_env("target") and not exact_from_env("draft")

@@ -400,18 +400,21 @@ def _tokenizer_files(hf_dir):
 
 
 def test_torch_yields_the_cores_to_openvino():
-    """The openvino backend runs torch on one thread and gives OpenVINO torch's thread count."""
-    from quickdraft.backends.openvino import runner as ov_runner
+    """The openvino backend runs torch on one thread and gives OpenVINO torch's thread count; a
+    llama.cpp model loaded afterwards in the same process gets that count too, not torch's one."""
+    from quickdraft.backends import threads
 
-    before, saved = torch.get_num_threads(), ov_runner._TORCH_THREADS
+    before, saved = torch.get_num_threads(), threads._TORCH_THREADS
     try:
-        ov_runner._TORCH_THREADS = None
+        threads._TORCH_THREADS = None
         torch.set_num_threads(2)
-        assert ov_runner.yield_cores_to_openvino() == 2
+        assert threads.runtime_threads() == 2
+        assert threads.yield_torch_threads() == 2
         assert torch.get_num_threads() == 1
-        assert ov_runner.yield_cores_to_openvino() == 2  # the first count, not the current one
+        assert threads.yield_torch_threads() == 2  # the first count, not the current one
+        assert threads.runtime_threads() == 2
     finally:
-        ov_runner._TORCH_THREADS = saved
+        threads._TORCH_THREADS = saved
         torch.set_num_threads(before)
 
 

@@ -192,9 +192,9 @@ def generate(
         threads = None
         if spec.engine_method == "amusd" and resolve_backend(backend) == "openvino":  # both models run at once
             from quickdraft.decoding.amusd import split_threads
-            from quickdraft.backends.openvino.runner import openvino_threads
+            from quickdraft.backends.threads import runtime_threads
 
-            threads = split_threads(openvino_threads())
+            threads = split_threads(runtime_threads())
         pipe = Pipeline.from_specs(
             target, draft if spec.needs_draft and not by_features else None, dtype=dtype, backend=backend,
             quantize=quantize, quantize_draft=quantize_draft, draft_dtype=draft_dtype, exact=exact,

@@ -214,14 +214,14 @@ class Pipeline:
 
         Each model gets torch's thread count (unless ``threads`` gives one per model), and torch is
         then set to one thread
-        (:func:`quickdraft.backends.openvino.runner.yield_cores_to_openvino`): the engine's own
+        (:func:`quickdraft.backends.threads.yield_torch_threads`): the engine's own
         torch work per step is small, and torch's idle OpenMP workers spinning beside OpenVINO's
         threads slow every forward by up to 2x on a 2-core CPU."""
         from quickdraft.backends.openvino import load_openvino
-        from quickdraft.backends.openvino.runner import yield_cores_to_openvino
+        from quickdraft.backends.threads import yield_torch_threads
         from quickdraft.models import check_compatible
 
-        cores = yield_cores_to_openvino()
+        cores = yield_torch_threads()
         target_threads, draft_threads = threads or (cores, cores)
 
         target_runner, tokenizer = load_openvino(target, "target", weight_format=quantize, n_threads=target_threads,

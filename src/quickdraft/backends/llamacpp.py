@@ -173,6 +173,8 @@ class LlamaGGUF:
             raise QuickdraftError(f"llama.cpp could not create a context of {n_ctx} tokens for {path}")
         self.path = path
         self.n_ctx = int(lib.llama_n_ctx(self.ctx))
+        #: the threads llama.cpp decodes with, as it reports them
+        self.n_threads = int(lib.llama_n_threads(self.ctx))
         self.n_batch = int(n_batch)
         self.memory = lib.llama_get_memory(self.ctx)
         self.vocab = lib.llama_model_get_vocab(self.model)
@@ -414,6 +416,8 @@ def load_llamacpp(spec: str | os.PathLike[str], name: str, *, vocab_size: int | 
 
     from transformers import AutoTokenizer, GenerationConfig
 
+    from quickdraft.backends.threads import runtime_threads
+
     gguf = gguf_path_for(spec)
     entry = gguf.parent
     if (entry / "tokenizer.json").is_file() or (entry / "tokenizer_config.json").is_file():
@@ -426,7 +430,7 @@ def load_llamacpp(spec: str | os.PathLike[str], name: str, *, vocab_size: int | 
     if vocab_size is None and (entry / "config.json").is_file():
         vocab_size = int(json.loads((entry / "config.json").read_text()).get("vocab_size") or 0) or None
     runner = LlamaCppRunner(
-        gguf, name, vocab_size=vocab_size, n_ctx=n_ctx, n_threads=n_threads or max(1, torch.get_num_threads()),
+        gguf, name, vocab_size=vocab_size, n_ctx=n_ctx, n_threads=n_threads or runtime_threads(),
         exact=exact_from_env(name) if exact is None else bool(exact), generation_config=generation_config,
     )
     return runner, tokenizer

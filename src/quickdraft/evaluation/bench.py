@@ -600,9 +600,9 @@ class CellRunner:
                 runner.export_info.get("source") if type(runner).__name__ == "OpenVINORunner" else role)
             target = export_for(source(self.pipe.target, "target"), weights, layout="genai")
             draft = export_for(source(self.pipe.draft, "draft"), weights, layout="genai") if name == "ovgenai-sd" else None
-            from quickdraft.backends.openvino.runner import openvino_threads
+            from quickdraft.backends.threads import runtime_threads
 
-            self._genai[name] = anchors.openvino_genai_pipeline(target, draft, n_threads=openvino_threads())
+            self._genai[name] = anchors.openvino_genai_pipeline(target, draft, n_threads=runtime_threads())
         return self._genai[name]
 
     def _gguf_path(self) -> Path | None:
@@ -620,17 +620,17 @@ class CellRunner:
     def _llamacpp(self, ids, sampling, seed, max_new_tokens):
         from quickdraft.evaluation import anchors
         # the process's thread count: torch runs on one thread beside the openvino backend
-        from quickdraft.backends.openvino.runner import openvino_threads
+        from quickdraft.backends.threads import runtime_threads
 
         if self._llama is None:  # load once; the load time is logged, never timed
             from quickdraft.backends.llamacpp import LlamaGGUF
 
             start = time.perf_counter()
-            self._llama = LlamaGGUF(self._gguf_path(), n_ctx=4096, n_threads=openvino_threads())
+            self._llama = LlamaGGUF(self._gguf_path(), n_ctx=4096, n_threads=runtime_threads())
             self.llamacpp_load_seconds = time.perf_counter() - start
         return anchors.llamacpp_generate(
             self._gguf_path(), ids, sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=self.eos,
-            seed=seed, n_threads=openvino_threads(), model=self._llama,
+            seed=seed, n_threads=runtime_threads(), model=self._llama,
         )
 
 

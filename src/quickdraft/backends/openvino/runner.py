@@ -61,30 +61,6 @@ def is_available() -> bool:
 
 
 _CORE = None
-#: torch's thread count before :func:`yield_cores_to_openvino` first set it to one
-_TORCH_THREADS: int | None = None
-
-
-def yield_cores_to_openvino() -> int:
-    """Set torch to one thread and return the thread count it had (the count of the first call, on
-    later calls), for OpenVINO's inference threads.
-
-    Both runtimes keep a pool of worker threads; torch's OpenMP workers spin for a while after
-    each parallel region, so on a CPU with few cores they take cycles from OpenVINO's forward that
-    follows. The engine's torch work (sampling, verification over ``[B, K+1, V]``) is small next to
-    a forward, so it loses little on one thread.
-    """
-    global _TORCH_THREADS
-    if _TORCH_THREADS is None:
-        _TORCH_THREADS = max(1, torch.get_num_threads())
-    torch.set_num_threads(1)
-    return _TORCH_THREADS
-
-
-def openvino_threads() -> int:
-    """Inference threads for an OpenVINO model (ours or OpenVINO GenAI's): torch's thread count, as
-    it was before :func:`yield_cores_to_openvino` set it to one."""
-    return _TORCH_THREADS if _TORCH_THREADS is not None else max(1, torch.get_num_threads())
 
 
 def core():

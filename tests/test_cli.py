@@ -149,3 +149,61 @@ def test_prompt_bytes_that_are_not_utf8_give_a_clear_error():
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert b"error: prompt is not valid UTF-8" in result.stderr and b"Traceback" not in result.stderr
+
+
+def test_auto_backend_picks_llamacpp_only_on_an_avx2_cpu_for_a_request_it_runs(monkeypatch, tmp_path):
+    """``--backend auto``: llama.cpp where the CPU has AVX2 but no AVX-512, llama-cpp-python imports and
+    the request runs on it (GGUF files, one prompt, a chain method reading no hidden states);
+    otherwise what it was (openvino where installed, else torch)."""
+    import quickdraft.backends.llamacpp as llamacpp
+    import quickdraft.models as models
+    from quickdraft.backends import resolve_backend
+    from quickdraft.backends.openvino import runner as ov_runner
+    from quickdraft.backends.llamacpp import runs_on_llamacpp
+
+    monkeypatch.setattr(llamacpp, "is_available", lambda: True)
+    monkeypatch.setattr(ov_runner, "is_available", lambda: True)
+    for flags, expected in (({"avx2", "fma"}, "llamacpp"), ({"avx2", "avx512f"}, "openvino"), (set(), "openvino")):
+        monkeypatch.setattr(models, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert resolve_backend("auto", llamacpp_runs=True) == expected
+        assert resolve_backend("auto") == "openvino"  # the caller did not say the request runs there
+        assert resolve_backend("torch", llamacpp_runs=True) == "torch"  # a named backend stays
+    monkeypatch.setattr(llamacpp, "is_available", lambda: False)
+    assert resolve_backend("auto", llamacpp_runs=True) == "openvino"
+    monkeypatch.setattr(ov_runner, "is_available", lambda: False)
+    assert resolve_backend("auto", llamacpp_runs=True) == "torch"
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    ok = dict(prompts=1, target=str(gguf), draft=str(gguf))
+    assert runs_on_llamacpp("sd", "sd", **ok) and runs_on_llamacpp("ar", "ar", prompts=1, target=str(gguf), draft=None)
+    assert not runs_on_llamacpp("sd", "sd", **{**ok, "prompts": 2})  # a batch
+    assert not runs_on_llamacpp("tree", "tree", **ok) and not runs_on_llamacpp("ersd", "tree", **ok)  # trees
+    assert not runs_on_llamacpp("lantern", "sd", **ok)  # not among the methods auto may send there
+    assert not runs_on_llamacpp("sd", "sd", **ok, needs_hidden=True)  # a SpecDec++ head, the feature drafter
+    assert not runs_on_llamacpp("sd", "sd", **ok, backend_options=True)  # --quantize, --draft-vocab ...
+    assert not runs_on_llamacpp("sd", "sd", prompts=1, target=str(hf), draft=str(gguf))  # no GGUF
+    assert not runs_on_llamacpp("sd", "sd", prompts=1, target=str(gguf), draft="/nonexistent/draft")
+
+
+def test_generate_on_auto_tells_which_backend_it_chose(tiny_pipeline, monkeypatch):
+    """The backend ``auto`` resolved to reaches the pipeline, for a request llama.cpp runs and one it does not."""
+    import quickdraft.backends.llamacpp as llamacpp
+    import quickdraft.models as models
+    from quickdraft.pipeline import Pipeline
+
+    seen = []
+    monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *a, **kw: seen.append(kw["backend"]) or tiny_pipeline))
+    monkeypatch.setattr(llamacpp, "is_available", lambda: True)
+    monkeypatch.setattr(llamacpp, "has_gguf", lambda spec: True)
+    monkeypatch.setattr(models, "cpu_flags", lambda: frozenset({"avx2"}))
+    common = ["generate", "w1 w2 w3", "--no-chat", "--max-new-tokens", "4", "--json"]
+    results = [_run(*common, "--method", "sd"), _run(*common, "--method", "tree"),
+               _run(*common, "--method", "sd", "--backend", "torch")]
+    assert all(r.exit_code == 0 for r in results), [r.output for r in results]
+    assert seen[0] == "llamacpp" and seen[1] != "llamacpp" and seen[2] == "torch"
+    said = [json.loads(r.output[r.output.index("{"):])["backend"] for r in results]
+    assert said == seen  # the JSON says which backend ran

@@ -197,6 +197,29 @@ def test_a_model_loaded_after_torch_yielded_its_threads_gets_the_cores(gguf, mon
         torch.set_num_threads(before)
 
 
+def test_every_method_auto_may_choose_runs_on_llamacpp(gguf):
+    """Each method ``--backend auto`` may send to llama.cpp (:data:`AUTO_METHODS`) runs there from the
+    command line, and in exact mode the lossless ones give plain greedy decoding's text at T = 0."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from quickdraft.backends.llamacpp import AUTO_METHODS
+    from quickdraft.cli import app
+
+    texts = {}
+    for method in AUTO_METHODS:
+        result = CliRunner().invoke(app, [
+            "generate", "def add(a, b):", "--no-chat", "--backend", "llamacpp", "--exact", "--target", str(gguf),
+            "--draft", str(gguf), "--method", method, "--temperature", "0", "--max-new-tokens", "16", "--json"])
+        assert result.exit_code == 0, (method, result.output)
+        payload = json.loads(result.output[result.output.index("{"):])
+        assert payload["metrics"]["new_tokens"] >= 1
+        texts[method] = payload["text"]
+    for lossless in ("sd", "ngram", "ngram_sd", "ersd"):
+        assert texts[lossless] == texts["ar"], lossless
+
+
 def test_exact_mode_is_chosen_by_the_environment_for_the_target_only(monkeypatch):
     monkeypatch.setenv("QUICKDRAFT_LLAMA_EXACT", "1")
     assert exact_from_env("target") and not exact_from_env("draft")

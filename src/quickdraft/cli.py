@@ -77,7 +77,8 @@ def generate(
     draft_dtype: Optional[str] = typer.Option(
         None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     backend: str = typer.Option(
-        "auto", help="auto (openvino where installed, else torch); openvino (OpenVINO exports of the models, "
+        "auto", help="auto (the fastest installed on this CPU that runs the request: llamacpp on AVX2 CPUs without "
+        "AVX-512 for one prompt of a chain method, else openvino where installed, else torch); openvino (OpenVINO exports of the models, "
         "made once; needs quickdraft[openvino]); torch (the reference and research backend); or llamacpp "
         "(runs the GGUF files; needs quickdraft[llamacpp])."),
     quantize: str = typer.Option(
@@ -186,6 +187,13 @@ def generate(
 
         if drafter not in DRAFTER_KINDS:
             raise QuickdraftError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+        from quickdraft.backends.llamacpp import runs_on_llamacpp
+
+        # auto: the fastest backend installed on this CPU that runs this request
+        backend = resolve_backend(backend, llamacpp_runs=backend == "auto" and runs_on_llamacpp(
+            method, spec.engine_method, prompts=len(prompts), target=target, draft=draft if spec.needs_draft else None,
+            needs_hidden=drafter != "model" or getattr(spec.policy, "head", None) is not None,
+            backend_options=quantize != "auto" or quantize_draft is not None or draft_vocab is not None or plugin_defaults))
         if drafter == "feature" and resolve_backend(backend) != "torch":
             raise QuickdraftError("--drafter feature reads the target's hidden states: use --backend torch")
         by_features = drafter == "feature" and spec.needs_draft
@@ -210,7 +218,7 @@ def generate(
             acceptance_head.check_draft(pipe.draft_model, name=f"draft {draft!r}")  # clear error on a mismatch
         if not json_out:
             who = "feature drafter" if by_features else (draft if spec.needs_draft else "-")
-            typer.echo(f"[{method}] target={target} draft={who}", err=True)
+            typer.echo(f"[{method}] backend={backend} target={target} draft={who}", err=True)
         single = len(prompts) == 1
         stream = None if json_out or not single else (lambda row, text: (sys.stdout.write(text), sys.stdout.flush()))
         out = pipe.generate(
@@ -223,10 +231,10 @@ def generate(
         return
     if json_out:
         results = [
-            {"method": method, "text": c.text, "finish_reason": c.finish_reason, "metrics": c.metrics.to_dict()}
+            {"method": method, "backend": backend, "text": c.text, "finish_reason": c.finish_reason, "metrics": c.metrics.to_dict()}
             for c in out.completions
         ]
-        payload = results[0] if single else {"method": method, "completions": results, "batch_metrics": out.metrics.to_dict()}
+        payload = results[0] if single else {"method": method, "backend": backend, "completions": results, "batch_metrics": out.metrics.to_dict()}
         typer.echo(json.dumps(payload, indent=2))
         return
     for row, completion in enumerate(out.completions):

@@ -26,15 +26,36 @@ BackendName = Literal["torch", "llamacpp", "openvino"]
 BACKEND_NAMES: tuple[str, ...] = ("torch", "llamacpp", "openvino")
 
 
-def resolve_backend(name: str) -> str:
-    """``auto`` is the fastest backend installed on a CPU: ``openvino`` where OpenVINO and NNCF import
-    (``benchmarks/bench_perf.py`` measures it against the others), else ``torch``; any other name
-    is returned as it is."""
+def prefers_llamacpp(flags: frozenset[str] | set[str]) -> bool:
+    """Whether llama.cpp is the engine's fastest runtime on a CPU with these feature flags
+    (:func:`quickdraft.models.cpu_flags`): an x86 CPU with AVX2 but without AVX-512. There OpenVINO's
+    int8/int4 matrix kernels have neither AVX-512 nor VNNI, and its forwards cost ~1.6× llama.cpp's
+    Q4_K_M ones; with AVX-512 OpenVINO is the faster (``docs/openvino.md``, runs 5 and 6).
+
+    >>> prefers_llamacpp({"avx2", "fma"}), prefers_llamacpp({"avx2", "avx512f"}), prefers_llamacpp(set())
+    (True, False, False)
+    """
+    return "avx2" in flags and "avx512f" not in flags
+
+
+def resolve_backend(name: str, *, llamacpp_runs: bool = False) -> str:
+    """``auto`` is the fastest backend installed on this CPU for the request: ``llamacpp`` where
+    :func:`prefers_llamacpp`, llama-cpp-python imports and the caller says the request runs on it
+    (``llamacpp_runs``: both models have GGUF files, one sequence, a chain method that needs no
+    hidden states; :func:`quickdraft.backends.llamacpp.runs_on_llamacpp`); else ``openvino`` where
+    OpenVINO and NNCF import; else ``torch`` (``benchmarks/bench_perf.py`` measures them against
+    each other). Any other name is returned as it is."""
     if name != "auto":
         return name
+    if llamacpp_runs:
+        from quickdraft.backends.llamacpp import is_available as llamacpp_installed
+        from quickdraft.models import cpu_flags
+
+        if prefers_llamacpp(cpu_flags()) and llamacpp_installed():
+            return "llamacpp"
     from quickdraft.backends.openvino.runner import is_available
 
     return "openvino" if is_available() else "torch"
 
 
-__all__ = ["BACKEND_NAMES", "BackendName", "resolve_backend"]
+__all__ = ["BACKEND_NAMES", "BackendName", "prefers_llamacpp", "resolve_backend"]

@@ -396,6 +396,32 @@ def gguf_path_for(spec: str | os.PathLike[str]) -> Path:
     return gguf
 
 
+#: the methods ``--backend auto`` may run on llama.cpp (chains of one sequence; every acceptance rule of
+#: these works on logits alone)
+AUTO_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "fsd", "typical", "ersd")
+
+
+def has_gguf(spec: str | os.PathLike[str]) -> bool:
+    """Whether the model ``spec`` names has a GGUF file for this backend (:func:`gguf_path_for`)."""
+    try:
+        gguf_path_for(spec)
+    except QuickdraftError:
+        return False
+    return True
+
+
+def runs_on_llamacpp(method: str, engine_method: str, *, prompts: int, target: str, draft: str | None,
+                     needs_hidden: bool = False, backend_options: bool = False) -> bool:
+    """Whether a ``generate`` request runs on this backend, so that ``--backend auto`` may pick it
+    (:func:`quickdraft.backends.resolve_backend`): one prompt, a method of :data:`AUTO_METHODS` as a
+    chain (not a tree), no policy or drafter that reads hidden states (``needs_hidden``), no option of
+    another backend (``backend_options``: weight formats, a draft vocabulary, plugin settings), and a
+    GGUF file for the target and for the draft where the method drafts with one."""
+    if prompts != 1 or method not in AUTO_METHODS or engine_method == "tree" or needs_hidden or backend_options:
+        return False
+    return has_gguf(target) and (draft is None or has_gguf(draft))
+
+
 def exact_from_env(name: str) -> bool:
     """Whether :func:`load_llamacpp` loads ``name`` in exact mode when not told: for the model named
     ``"target"`` when ``QUICKDRAFT_LLAMA_EXACT=1`` (a draft only proposes tokens, so its logits

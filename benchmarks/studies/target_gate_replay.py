@@ -81,7 +81,14 @@ def gate(tau: float, k_lo: int, k_hi: int, cost: StepCost):
 def joint_length(d: list[float], match: int, j: int, p: float, max_k: int, end: str) -> int:
     """Joint confidence's draft length at start ``j`` with threshold ``p``: one more than the first
     chain index ``i`` whose draft confidence ``d[j + i + 1]`` is below ``p`` (the engine asks the
-    policy after each token but the last), known while ``i <= match``; past it ``end`` decides."""
+    policy after each token but the last), known while ``i <= match``; past it ``end`` decides.
+
+    >>> d = [1.0, 0.9, 0.9, 0.3, 0.9, 0.9]  # over the prompt's last token, then output tokens 0..4
+    >>> joint_length(d, 5, 0, 0.5, 10, "high"), joint_length(d, 1, 0, 0.5, 10, "low"), joint_length(d, 1, 0, 0.5, 10, "high")
+    (3, 3, 10)
+    >>> joint_length(d, 5, 0, 0.5, 2, "high"), joint_length(d, 5, 1, 0.5, 10, "high")
+    (2, 2)
+    """
     for i in range(max_k - 1):
         if i > match:  # the chain left the output: its confidences are not in d
             return min(i + 1, max_k) if end == "low" else max_k

@@ -77,9 +77,9 @@ def generate(
     draft_dtype: Optional[str] = typer.Option(
         None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     backend: str = typer.Option(
-        "auto", help="auto (the fastest installed on this CPU that runs the request: llamacpp on AVX2 CPUs without "
-        "AVX-512 for one prompt of a chain method, else openvino where installed, else torch); openvino (OpenVINO exports of the models, "
-        "made once; needs quickdraft[openvino]); torch (the reference and research backend); or llamacpp "
+        "auto", help="auto (the fastest installed on this CPU that runs the request: llamacpp on AVX2 CPUs "
+        "without AVX-512 for one prompt of a chain method, else openvino where installed, else torch); openvino "
+        "(OpenVINO exports of the models, made once; needs quickdraft[openvino]); torch (the reference and research backend); or llamacpp "
         "(runs the GGUF files; needs quickdraft[llamacpp])."),
     quantize: str = typer.Option(
         "auto", help="Weights: auto (torch: as loaded; openvino: int8), none, int8 or int4 (torch: weight-only "
@@ -193,12 +193,13 @@ def generate(
         backend = resolve_backend(backend, llamacpp_runs=backend == "auto" and runs_on_llamacpp(
             method, spec.engine_method, prompts=len(prompts), target=target, draft=draft if spec.needs_draft else None,
             needs_hidden=drafter != "model" or getattr(spec.policy, "head", None) is not None,
-            backend_options=quantize != "auto" or quantize_draft is not None or draft_vocab is not None or plugin_defaults))
-        if drafter == "feature" and resolve_backend(backend) != "torch":
+            backend_options=quantize != "auto" or quantize_draft is not None or draft_vocab is not None
+            or plugin_defaults or dtype != "auto" or draft_dtype is not None))
+        if drafter == "feature" and backend != "torch":
             raise QuickdraftError("--drafter feature reads the target's hidden states: use --backend torch")
         by_features = drafter == "feature" and spec.needs_draft
         threads = None
-        if spec.engine_method == "amusd" and resolve_backend(backend) == "openvino":  # both models run at once
+        if spec.engine_method == "amusd" and backend == "openvino":  # both models run at once
             from quickdraft.decoding.amusd import split_threads
             from quickdraft.backends.threads import runtime_threads
 
@@ -214,7 +215,7 @@ def generate(
         if datastore is not None:
             pipe.set_datastore(datastore, datastore_field)
         acceptance_head = getattr(spec.policy, "head", None)
-        if acceptance_head is not None and pipe.draft_model is not None and resolve_backend(backend) != "llamacpp":
+        if acceptance_head is not None and pipe.draft_model is not None and backend != "llamacpp":
             acceptance_head.check_draft(pipe.draft_model, name=f"draft {draft!r}")  # clear error on a mismatch
         if not json_out:
             who = "feature drafter" if by_features else (draft if spec.needs_draft else "-")
@@ -231,10 +232,12 @@ def generate(
         return
     if json_out:
         results = [
-            {"method": method, "backend": backend, "text": c.text, "finish_reason": c.finish_reason, "metrics": c.metrics.to_dict()}
+            {"method": method, "backend": backend, "text": c.text, "finish_reason": c.finish_reason,
+             "metrics": c.metrics.to_dict()}
             for c in out.completions
         ]
-        payload = results[0] if single else {"method": method, "backend": backend, "completions": results, "batch_metrics": out.metrics.to_dict()}
+        payload = results[0] if single else {"method": method, "backend": backend, "completions": results,
+                                             "batch_metrics": out.metrics.to_dict()}
         typer.echo(json.dumps(payload, indent=2))
         return
     for row, completion in enumerate(out.completions):

@@ -28,9 +28,10 @@ BACKEND_NAMES: tuple[str, ...] = ("torch", "llamacpp", "openvino")
 
 def prefers_llamacpp(flags: frozenset[str] | set[str]) -> bool:
     """Whether llama.cpp is the engine's fastest runtime on a CPU with these feature flags
-    (:func:`quickdraft.models.cpu_flags`): an x86 CPU with AVX2 but without AVX-512. There OpenVINO's
-    int8/int4 matrix kernels have neither AVX-512 nor VNNI, and its forwards cost ~1.6× llama.cpp's
-    Q4_K_M ones; with AVX-512 OpenVINO is the faster (``docs/openvino.md``, runs 5 and 6).
+    (:func:`quickdraft.models.cpu_flags`): an x86 CPU with AVX2 but without AVX-512. On such a CPU
+    (an AMD EPYC) OpenVINO GenAI's own plain decoding ran at 0.66× llama.cpp's, our engine at 0.54–0.61×
+    on OpenVINO and 0.99× on llama.cpp; with AVX-512 OpenVINO is the faster (``docs/openvino.md``,
+    runs 5 and 6).
 
     >>> prefers_llamacpp({"avx2", "fma"}), prefers_llamacpp({"avx2", "avx512f"}), prefers_llamacpp(set())
     (True, False, False)

@@ -613,6 +613,11 @@ def test_released_weight_pages_leave_the_process_and_the_logits_alone(tmp_path):
     released.reset(1)
     torch.testing.assert_close(released.forward(tokens).logits, ref, rtol=0, atol=0)
     assert torch.isfinite(released.forward(torch.tensor([[7, 7, 7, 7, 7]])).logits).all()
-    # the matrices are read from the plugin's copy: only what it reads in place (such as the
-    # embedding rows of the tokens seen) comes back from the file
-    assert _resident_kb_of(files) < kept_kb // 4, (_resident_kb_of(files), kept_kb, file_kb)
+    # with AVX-512 the matrices are read from the plugin's copy: only what it reads in place (such as
+    # the embedding rows of the tokens seen) comes back from the file. Without it (AVX2) the plugin
+    # reads this small model's matrices in place, so their pages come back on the first forward (the
+    # default pair's come back for 0.2 GB of 2.1: docs/openvino.md, Memory)
+    from quickdraft.models import cpu_flags
+
+    if "avx512f" in cpu_flags():
+        assert _resident_kb_of(files) < kept_kb // 4, (_resident_kb_of(files), kept_kb, file_kb)

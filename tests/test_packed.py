@@ -96,3 +96,27 @@ def test_greedy_speculative_equals_plain_greedy_on_the_packed_model(tiny_target,
     assert spec.sequences == plain.sequences
     assert spec.batch_metrics.accepted_tokens > 0
     assert spec.batch_metrics.target_forwards < plain.batch_metrics.target_forwards
+
+
+def test_dense_weights_read_back_bit_for_bit_and_state_dicts_load_into_plain_layers():
+    """A packed layer gives back the very weight it was made from (in blocks of rows, of any size),
+    and a packed module's dense state dict loads into an unpacked copy with the same logits — how a
+    feature drafter starts as a copy of a packed target's last layer."""
+    from quickdraft.backends.packed import dense_state_dict
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(300, 70)
+    packed = PackedLinear.from_linear(linear)
+    for rows in (1024, 128, 7):
+        assert torch.equal(packed.dense_weight(rows=rows), linear.weight)
+    model, fresh = tiny_lm(seed=3), tiny_lm(seed=4)
+    x = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        want = model(x).logits
+    pack_linears(model)
+    state = dense_state_dict(model)
+    assert not any(k.endswith("packed_weight") for k in state)
+    assert state.keys() == fresh.state_dict().keys()
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, want)

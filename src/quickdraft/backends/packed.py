@@ -83,8 +83,37 @@ class PackedLinear(nn.Module):
         )
         return y.reshape(*lead, self.out_features)
 
+    @torch.no_grad()
+    def dense_weight(self, rows: int = 1024) -> torch.Tensor:
+        """The dense ``W [N, K]`` this layer holds, read back through its own kernel: ``I @ Wᵀ``
+        over blocks of ``rows`` rows of the identity (each output is one product by 1.0 plus
+        zeros, so exact in fp32; oneDNN's blocked layout has no public inverse)."""
+        blocks = []
+        for start in range(0, self.in_features, rows):
+            stop = min(start + rows, self.in_features)
+            eye = torch.zeros(stop - start, self.in_features)
+            eye[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
+            blocks.append(torch.ops.mkldnn._linear_pointwise(eye, self.packed_weight, None, "none", [], ""))
+        return torch.cat(blocks).t().contiguous()  # [K, N] -> [N, K]
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn"
+
+
+@torch.no_grad()
+def dense_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` as if every :class:`PackedLinear` in it were the ``nn.Linear`` it was
+    made from (``weight`` instead of ``packed_weight``), e.g. to copy a packed model's layer into
+    another model."""
+    state = {}
+    for key, value in module.state_dict().items():
+        owner_name, _, leaf = key.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if isinstance(owner, PackedLinear) and leaf == "packed_weight":
+            state[f"{owner_name}.weight" if owner_name else "weight"] = owner.dense_weight()
+        else:
+            state[key] = value
+    return state
 
 
 @dataclass

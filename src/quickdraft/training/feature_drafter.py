@@ -119,10 +119,13 @@ def extract_features(target, texts: list[list[int]], cache: Path | None = None, 
 def init_from_target(model: FeatureDraftModel, target) -> None:
     """Start the layer as a copy of the target's last decoder layer (when the widths match) and
     ``fc`` as the projection that passes the feature through."""
-    last = target.model.layers[-1]
+    from quickdraft.backends.packed import dense_state_dict
+
+    last = dense_state_dict(target.model.layers[-1])  # a float32 target on CPUs without bf16 has packed layers
     mine = model.layers.layers[0]
-    if all(a.shape == b.shape for a, b in zip(mine.state_dict().values(), last.state_dict().values())):
-        mine.load_state_dict({k: v.float() for k, v in last.state_dict().items()})
+    own = mine.state_dict()
+    if own.keys() == last.keys() and all(own[k].shape == last[k].shape for k in own):
+        mine.load_state_dict({k: v.float() for k, v in last.items()})
     model.layers.norm.load_state_dict({k: v.float() for k, v in target.model.norm.state_dict().items()})
     hidden = model.fc.out_features
     with torch.no_grad():

@@ -30,7 +30,11 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
   them; every row records each model's inference seconds and calls (``target_infer_seconds`` …)
 
 ``x_own_ar`` divides by the plain decoding of the same *target* weights (``torch-fp32/int4-sd`` is
-compared with ``torch-fp32-ar``).
+compared with ``torch-fp32-ar``). ``engine_share`` is the part of a config's time spent outside its
+runtime's inference calls: for our engine everything but the models' ``infer``; for GenAI's
+speculative decoding everything but the two models' inference durations it reports itself
+(``extended_perf_metrics``), its steps counted as its drafted tokens / K. ``draft_acceptance_rate``:
+accepted / drafted tokens (GenAI's from its own counts).
 
 Prompts are the first ``--limit`` problems of each of ``--datasets`` (HumanEval, MT-Bench's first turns) as chat; every prompt runs every config (the
 order rotates from prompt to prompt, so machine drift hits all alike) after a short warm-up. Times
@@ -327,7 +331,14 @@ def run(args: argparse.Namespace) -> dict:
                 except RuntimeError as err:  # recorded, and left out of this config's rate
                     return {"error": str(err).strip().splitlines()[-1][:300], "new_tokens": 0, "seconds": 0.0,
                             "new_ids": []}
-            return {"new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
+            extra = {}
+            if res.speculative:  # its own counts, and the time outside its two models' inference
+                spec = res.speculative
+                infer = spec["target_infer_seconds"] + spec["draft_infer_seconds"]
+                extra = {**spec, "runtime_seconds": infer, "engine_seconds": res.seconds - infer,
+                         "engine_share": (res.seconds - infer) / res.seconds,
+                         "steps": max(1, round(spec["drafted_tokens"] / (k or args.k)))}
+            return {**extra, "new_tokens": len(res.new_ids), "seconds": res.seconds, "new_ids": res.new_ids}
         runners = [r for r in (pipe.target, pipe.draft) if hasattr(r, "infer_seconds")]
         infer_before = sum(r.infer_seconds for r in runners)
         calls = {r.name: [] for r in runners}  # each model's inference calls, in ms, prefill first
@@ -444,6 +455,9 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                 if all("emitted_tokens" in r for r in sel):  # steps that deferred their bonus: blocks accepted whole
                     steps = sum(r["steps_verified"] for r in sel)
                     entry["deferred_share"] = (steps - sum(r["emitted_tokens"] - r["accepted_tokens"] for r in sel)) / steps
+            if all("drafted_tokens" in r for r in sel) and sum(r["drafted_tokens"] for r in sel):
+                entry["draft_acceptance_rate"] = (sum(r["accepted_tokens"] for r in sel)
+                                                  / sum(r["drafted_tokens"] for r in sel))
             for name in ("target", "draft"):  # a decoding call's median (prefills left out)
                 decode = [ms for r in sel for ms in r.get(f"{name}_infer_ms", [])[1:]]
                 if decode:

@@ -289,6 +289,26 @@ def test_nan_logits_are_reported(tiny_target):
         generate(ModelRunner(broken, "target"), [[1, 2]], method="ar", max_new_tokens=2)
 
 
+def test_check_finite_finds_a_nan_in_the_rows_it_checks_only():
+    """One NaN among finite, +inf and -inf logits is found in a checked row and ignored in a row the
+    mask leaves out (padding); +inf and -inf alone (their sum is NaN) are not reported."""
+    from quickdraft.verification.sampling import check_finite
+
+    logits = torch.zeros(2, 3, 50)
+    logits[0, 1, 7] = float("inf")
+    logits[0, 2, 9] = float("-inf")
+    check_finite(logits, "m")  # no NaN, though the sum is NaN
+    logits[1, 2, 4] = float("nan")
+    with pytest.raises(QuickdraftError, match="m produced NaN logits"):
+        check_finite(logits, "m")
+    with pytest.raises(QuickdraftError, match="NaN logits"):
+        check_finite(logits, "m", rows=torch.tensor([False, True]))
+    check_finite(logits, "m", rows=torch.tensor([True, False]))
+    check_finite(logits, "m", rows=torch.tensor([[True, True, True], [True, True, False]]))
+    with pytest.raises(QuickdraftError, match="NaN logits"):
+        check_finite(logits, "m", rows=torch.tensor([[False, False, False], [False, False, True]]))
+
+
 def test_draft_length_is_capped_by_the_tokens_left(tiny_target, tiny_draft):
     """A draft of 50 tokens for a 4-token budget drafts at most 3 per step (the 4th is the bonus),
     and the greedy text is that of plain decoding."""

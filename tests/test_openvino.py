@@ -364,6 +364,12 @@ def test_openvino_genai_anchor_agrees_with_our_engine(ov_models, tmp_path, tiny_
     res_sd = openvino_genai_generate(spec, prompt, sampling=SamplingParams(), max_new_tokens=24, eos_token_ids={63},
                                      num_assistant_tokens=4)
     assert res_sd.new_ids == res.new_ids
+    # GenAI's own count of its speculative steps: K drafts a step, accepted ones among them
+    assert res.speculative is None
+    spec_metrics = res_sd.speculative
+    assert 0 <= spec_metrics["accepted_tokens"] <= spec_metrics["drafted_tokens"]
+    assert spec_metrics["drafted_tokens"] >= 4
+    assert 0 < spec_metrics["target_infer_seconds"] + spec_metrics["draft_infer_seconds"] < res_sd.seconds
 
 
 def test_openvino_genai_anchor_can_compile_with_our_plugin_settings(tmp_path, monkeypatch):

@@ -14,12 +14,17 @@ bookkeeping) under:
 * ``tuned-kv-u8``: ``tuned`` with the u8 KV cache (what the float16 cache changes);
 * ``f32-kv-f16``: the plugin's activation groups with ``tuned``'s precisions (what the groups change).
 
-Each round resets every runner, times a prefill of ``--prefill`` tokens and then forwards over
-m = 1, 2, 3, 5, 9, 16 new tokens after it (each rolled back); runners take turns within a round,
-the first round warms up. The JSON holds the machine, the compiled settings read back from the
-plugin, every sample and the medians.
+``--exports`` picks the exports: by default the int8 and int4 targets and the int4 draft with the
+49,152-id head; ``draft-int8-vocab49152`` and ``draft-int8`` (the draft GenAI's speculative decoding
+runs) compare the draft's weight formats. Each round resets every runner, times a prefill of
+``--prefill`` tokens and then forwards over m = 1, 2, 3, 5, 9, 16 new tokens after it (each rolled
+back); runners take turns within a round, the first round warms up. The JSON holds the machine,
+the compiled settings read back from the plugin, every sample and the medians.
 
     python benchmarks/studies/openvino_plugin_settings.py --out benchmarks/results/openvino_plugin_settings.json
+    python benchmarks/studies/openvino_plugin_settings.py --exports target-int8 draft-int4-vocab49152 \
+        draft-int8-vocab49152 draft-int8 --settings plugin tuned tuned-drafting --repeats 8 \
+        --out benchmarks/results/openvino_plugin_settings_avx2.json
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ EXPORTS = (
     ("target-int8", "target", "int8", None),
     ("target-int4", "target", "int4", None),
     ("draft-int4-vocab49152", "draft", "int4", 49152),
+    ("draft-int8-vocab49152", "draft", "int8", 49152),
+    ("draft-int8", "draft", "int8", None),
 )
 BLOCKS = (1, 2, 3, 5, 9, 16)
 READ_BACK = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
@@ -88,7 +95,7 @@ def measure(path: Path, settings: dict[str, dict], threads: int, repeats: int, p
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--exports", nargs="+", choices=[e[0] for e in EXPORTS], default=[e[0] for e in EXPORTS])
+    parser.add_argument("--exports", nargs="+", choices=[e[0] for e in EXPORTS], default=[e[0] for e in EXPORTS[:3]])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=12)

@@ -156,7 +156,7 @@ class ModelRunner:
         self.num_forwards += 1
         logits = out.logits.float()
         live = valid[:, -1]  # rows whose newest column is a real token (others are padding)
-        check_finite(logits[live], f"the {self.name} model")
+        check_finite(logits, f"the {self.name} model", rows=live)
         hidden = None
         if output_hidden:
             hidden = out.hidden_states[-1]
@@ -275,7 +275,7 @@ class ModelRunner:
             self.recent_hidden, self.recent_positions = fresh, fresh_pos
         self.num_forwards += 1
         logits = out.logits.float()
-        check_finite(logits[valid], f"the {self.name} model")
+        check_finite(logits, f"the {self.name} model", rows=valid)
         hidden = out.hidden_states[-1] if output_hidden else None
         return ForwardOutput(logits=logits, hidden=hidden)
 

@@ -18,6 +18,9 @@ from quickdraft.verification.sampling import SamplingParams
 class AnchorResult:
     new_ids: list[int]
     seconds: float  # wall time of the whole call, prefill included
+    #: OpenVINO GenAI's speculative decoding's own counts and inference times for the call
+    #: (:func:`genai_speculative_metrics`); None for every other anchor
+    speculative: dict | None = None
 
 
 def _sampling_kwargs(sampling: SamplingParams) -> dict:
@@ -190,4 +193,21 @@ def openvino_genai_generate(
     out = pipeline.generate(ids, config)
     seconds = time.perf_counter() - start
     new_ids = [int(t) for t in out.tokens[0]]
-    return AnchorResult(new_ids=new_ids, seconds=seconds)
+    return AnchorResult(new_ids=new_ids, seconds=seconds,
+                        speculative=genai_speculative_metrics(out) if num_assistant_tokens else None)
+
+
+def genai_speculative_metrics(out) -> dict | None:
+    """What OpenVINO GenAI's speculative decoding reports of one ``generate`` call
+    (``extended_perf_metrics``): the draft tokens it proposed and how many the target accepted, and
+    the total inference time of each model in seconds, its prefills included; ``None`` where the
+    result carries no such metrics."""
+    m = getattr(out, "extended_perf_metrics", None)
+    if m is None or not hasattr(m, "get_num_accepted_tokens"):
+        return None
+    return {
+        "drafted_tokens": int(m.get_num_draft_tokens()),
+        "accepted_tokens": int(m.get_num_accepted_tokens()),
+        "target_infer_seconds": float(m.main_model_metrics.get_inference_duration().mean) / 1e3,
+        "draft_infer_seconds": float(m.draft_model_metrics.get_inference_duration().mean) / 1e3,
+    }

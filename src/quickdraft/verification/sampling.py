@@ -102,9 +102,16 @@ def check_distributions(probs: torch.Tensor, who: str) -> None:
         )
 
 
-def check_finite(logits: torch.Tensor, who: str) -> None:
-    """Raise a clear error if ``logits`` hold NaN (a broken model or dtype overflow)."""
-    if torch.isnan(logits).any():
+def check_finite(logits: torch.Tensor, who: str, rows: torch.Tensor | None = None) -> None:
+    """Raise a clear error if ``logits`` hold NaN (a broken model or dtype overflow).
+
+    ``rows``: a boolean mask over the leading dimensions of the rows to check (``None``: all). One
+    reduction decides in the common case: a NaN anywhere makes the sum NaN, and only then (or when
+    +inf and -inf meet in the sum) is the tensor searched for a NaN.
+    """
+    if rows is not None and not bool(rows.all()):
+        logits = logits[rows]
+    if torch.isnan(logits.sum()) and torch.isnan(logits).any():
         raise QuickdraftError(f"{who} produced NaN logits; try --dtype float32 or check the model weights")
 
 

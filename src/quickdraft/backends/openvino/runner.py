@@ -344,7 +344,7 @@ class OpenVINORunner:
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], dim=1)
         self.lengths = self.lengths + valid.long().sum(dim=-1)
         live = valid[:, -1]
-        check_finite(out.logits[live], f"the {self.name} model")
+        check_finite(out.logits, f"the {self.name} model", rows=live)
         return out
 
     # -- token trees -----------------------------------------------------------------------------
@@ -396,7 +396,7 @@ class OpenVINORunner:
         mask = _additive(torch.cat([prefix_visible, block], dim=2))
         out = self._infer(tokens, positions, mask, m, output_hidden)
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], dim=1)
-        check_finite(out.logits[valid], f"the {self.name} model")
+        check_finite(out.logits, f"the {self.name} model", rows=valid)
         return out
 
     def commit_tree(self, keep: torch.Tensor, counts: torch.Tensor) -> None:

@@ -1,0 +1,54 @@
+"""benchmarks/studies/speedup_ceiling.py: the bound m · c_ref(1) / c(m) and the tokens a step a goal needs."""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("speedup_ceiling", ROOT / "benchmarks" / "studies" / "speedup_ceiling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_doctests(study):
+    assert doctest.testmod(study).failed == 0
+
+
+def test_the_table_of_a_results_file(study, tmp_path, monkeypatch, capsys):
+    """Two targets against llama.cpp's one-token forward: the ceilings, the tokens a step 2x needs
+    with free drafts and with the draft model, and the highest ceiling."""
+    results = tmp_path / "perf.json"
+    results.write_text(json.dumps({"machine": {"cpu_model": "test"}, "forward_seconds": {
+        "llamacpp/target/m=1": 0.05, "llamacpp/target/m=5": 0.2, "llamacpp/draft/m=1": 0.02,
+        "openvino-int8/target/m=1": 0.1, "openvino-int8/target/m=5": 0.125,
+    }}))
+    out = tmp_path / "ceiling.json"
+    monkeypatch.setattr(sys, "argv", ["speedup_ceiling.py", str(results), "--goal", "2", "--out", str(out)])
+    study.main()
+    table = json.loads(out.read_text())
+    assert table["ceiling"]["llamacpp"] == {"1": 1.0, "5": pytest.approx(1.25)}
+    assert table["ceiling"]["openvino-int8"] == {"1": 0.5, "5": pytest.approx(2.0)}
+    assert table["highest"] == {"ceiling": pytest.approx(2.0), "target": "openvino-int8", "m": 5}
+    assert table["needed_free_drafts"]["openvino-int8"]["5"] == pytest.approx(5.0)  # 2 · 125 / 50
+    assert table["needed_with_draft_model"]["llamacpp"]["5"] == pytest.approx(11.2)  # 2 · (200 + 4 · 20) / 50
+    assert "openvino-int8" not in table["needed_with_draft_model"]  # no draft forward measured
+    assert "highest ceiling: 2.00x (openvino-int8, m = 5)" in capsys.readouterr().out
+
+
+def test_a_file_without_the_reference_is_refused(study, tmp_path, monkeypatch):
+    results = tmp_path / "perf.json"
+    results.write_text(json.dumps({"forward_seconds": {"openvino-int8/target/m=1": 0.1}}))
+    monkeypatch.setattr(sys, "argv", ["speedup_ceiling.py", str(results)])
+    with pytest.raises(SystemExit, match="no one-token target forward of 'llamacpp'.*openvino-int8"):
+        study.main()

@@ -39,7 +39,8 @@ accepted / drafted tokens (GenAI's from its own counts).
 Prompts are the first ``--limit`` problems of each of ``--datasets`` (HumanEval, MT-Bench's first turns) as chat; every prompt runs every config (the
 order rotates from prompt to prompt, so machine drift hits all alike) after a short warm-up. Times
 are end to end per prompt (prefill included). Also measured, unless skipped: memory bandwidth (a
-large array copy), the cost of a target forward over m = 1, 2, 5, 9, 16 new tokens (5 and 9 verify K = 4 and 8) per backend
+large array copy), the cost of a target forward over m = 1, 2, 5, 9, 16 new tokens (5 and 9 verify K = 4 and 8;
+``--forward-blocks``, ``--forward-repeats``; ``--forward-costs-only`` stops after them) per backend
 (interleaved), and the process's peak RSS against the bytes of weights held.
 
     python benchmarks/bench_perf.py --limit 3 --max-new-tokens 128 --temperatures 0 0.7 \\
@@ -307,7 +308,15 @@ def run(args: argparse.Namespace) -> dict:
 
         anchor_model = LlamaGGUF(gguf_path_for("target"), n_ctx=4096, n_threads=args.threads)
     if not args.skip_forward_costs:
-        result["forward_seconds"] = forward_costs(pipes, prompt_ids[0])
+        blocks = tuple(args.forward_blocks)
+        if max(blocks) > len(prompt_ids[0]):
+            raise SystemExit(f"--forward-blocks up to {max(blocks)} tokens need a first prompt that long "
+                             f"(it has {len(prompt_ids[0])} tokens)")
+        result["forward_seconds"] = forward_costs(pipes, prompt_ids[0], blocks, args.forward_repeats)
+        result["forward_repeats"] = args.forward_repeats
+    if args.forward_costs_only:
+        result["summary"] = {}
+        return result
 
     def one(config: str, ids: list[int], sampling: SamplingParams, seed: int, max_new: int) -> dict:
         if config == "llamacpp-anchor":
@@ -561,6 +570,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-bandwidth", action="store_true")
     parser.add_argument("--skip-forward-costs", action="store_true")
+    parser.add_argument("--forward-blocks", type=int, nargs="+", default=[1, 2, 5, 9, 16],
+                        help="the block sizes m of the target forward costs")
+    parser.add_argument("--forward-repeats", type=int, default=3, help="interleaved rounds of the forward costs (median)")
+    parser.add_argument("--forward-costs-only", action="store_true",
+                        help="measure the forward costs and stop (no generation)")
     parser.add_argument("--out", default="benchmarks/results/perf.json")
     parser.add_argument("--finalize", action="store_true",
                         help="only rebuild --out from its .partial.json (a run that stopped after its rows)")

@@ -43,7 +43,21 @@ def test_the_table_of_a_results_file(study, tmp_path, monkeypatch, capsys):
     assert table["needed_free_drafts"]["openvino-int8"]["5"] == pytest.approx(5.0)  # 2 · 125 / 50
     assert table["needed_with_draft_model"]["llamacpp"]["5"] == pytest.approx(11.2)  # 2 · (200 + 4 · 20) / 50
     assert "openvino-int8" not in table["needed_with_draft_model"]  # no draft forward measured
-    assert "highest ceiling: 2.00x (openvino-int8, m = 5)" in capsys.readouterr().out
+    assert table["fewest_needed"] == {"tokens": pytest.approx(5.0), "target": "openvino-int8", "m": 5}
+    printed = capsys.readouterr().out
+    assert "highest ceiling: 2.00x (openvino-int8, m = 5)" in printed
+    assert "fewest tokens a step for 2x: 5.0 (openvino-int8, m = 5, free drafts)" in printed
+
+
+def test_no_block_can_hold_the_tokens_a_goal_needs(study, tmp_path, monkeypatch):
+    """llama.cpp's verification costs m one-token forwards: 2x needs 2m tokens from a block of m."""
+    results = tmp_path / "perf.json"
+    results.write_text(json.dumps({"forward_seconds": {"llamacpp/target/m=1": 0.05, "llamacpp/target/m=4": 0.2}}))
+    out = tmp_path / "ceiling.json"
+    monkeypatch.setattr(sys, "argv", ["speedup_ceiling.py", str(results), "--goal", "2", "--out", str(out)])
+    study.main()
+    table = json.loads(out.read_text())
+    assert table["fewest_needed"] is None and table["needed_free_drafts"]["llamacpp"]["4"] == pytest.approx(8.0)
 
 
 def test_a_file_without_the_reference_is_refused(study, tmp_path, monkeypatch):

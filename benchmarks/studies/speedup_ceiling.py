@@ -14,13 +14,17 @@ of g× needs on average
     needed(m) = g · (c(m) + (m − 1) · d) / c_ref(1)
 
 tokens a step, d the draft's one-token forward (0 for prompt lookup, which runs no model); where
-needed(m) > m no method reaches the goal with blocks of m tokens. The study reads
+needed(m) > m no method reaches the goal with blocks of m tokens, and the smallest needed(m) ≤ m
+over every target and block is the fewest tokens a step any method must average. The study reads
 ``forward_seconds`` of a ``benchmarks/bench_perf.py`` results file (keys ``<pipeline>/target/m=<m>``,
 medians of forwards after a prefill of the first prompt, timed round-robin) and prints the ceiling of
 every target measured there against the reference, by default llama.cpp (``llamacpp``): a goal of
 1.9× llama.cpp plain is out of reach on that machine for every method if no ceiling reaches it.
 
-    python benchmarks/studies/speedup_ceiling.py benchmarks/results/perf_avx2_draft.json \\
+    python benchmarks/bench_perf.py --limit 1 --datasets humaneval --configs llamacpp-ar \\
+        openvino-int8/int4v49152-ar openvino-int4/int4v49152-ar --forward-blocks 1 2 3 5 9 17 33 65 \\
+        --forward-repeats 5 --forward-costs-only --skip-bandwidth --out benchmarks/results/forward_costs_avx2.json
+    python benchmarks/studies/speedup_ceiling.py benchmarks/results/forward_costs_avx2.json \\
         --out benchmarks/results/speedup_ceiling_avx2.json
 """
 
@@ -95,6 +99,11 @@ def main() -> None:
             print(f"{'':34s} with its draft model ({drafts[name] * 1e3:.1f} ms): "
                   + "  ".join(f"m={m}: {v:.1f}" for m, v in need_draft[name].items()))
     print(f"highest ceiling: {best[0]:.2f}x ({best[1]}, m = {best[2]})")
+    # the fewest tokens a step that reach the goal, over the blocks that can hold them (free drafts)
+    feasible = [(v, name, m) for name, row in need_free.items() for m, v in row.items() if v <= m]
+    fewest = min(feasible) if feasible else None
+    print(f"fewest tokens a step for {args.goal:g}x: "
+          + (f"{fewest[0]:.1f} ({fewest[1]}, m = {fewest[2]}, free drafts)" if fewest else "none: no block measured can hold them"))
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": "python benchmarks/studies/speedup_ceiling.py " + args.results
@@ -105,6 +114,7 @@ def main() -> None:
             "forward_seconds": {n: {str(m): c for m, c in row.items()} for n, row in costs.items()},
             "ceiling": {n: {str(m): v for m, v in row.items()} for n, row in table.items()},
             "highest": {"ceiling": best[0], "target": best[1], "m": best[2]},
+            "fewest_needed": ({"tokens": fewest[0], "target": fewest[1], "m": fewest[2]} if fewest else None),
             "goal": args.goal, "draft_one_token_seconds": {n: d for n, d in drafts.items() if d},
             "needed_free_drafts": {n: {str(m): v for m, v in row.items()} for n, row in need_free.items()},
             "needed_with_draft_model": {n: {str(m): v for m, v in row.items()} for n, row in need_draft.items()},

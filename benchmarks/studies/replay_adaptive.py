@@ -57,6 +57,7 @@ from quickdraft.verification.rules import ExponentialRace
 from quickdraft.verification.sampling import SamplingParams
 
 from openvino_compression import _lscpu  # the studies' CPU record (this script's folder is on sys.path)
+from speedup_ceiling import target_costs  # bench_perf.py's forward-cost keys, parsed
 
 
 def parse_args() -> argparse.Namespace:
@@ -232,10 +233,11 @@ def perf_step_cost(perf: dict, config: str, temperature: float, max_k: int) -> t
     (linear between the measured m = 1, 2, 5, 9, 16), its draft's one-token forward, and the
     engine's milliseconds per step of its ``sd`` row at ``temperature``."""
     fs = perf["forward_seconds"]
-    ms = sorted(int(k.rsplit("=", 1)[1]) for k in fs if k.startswith(f"{config}/target/m="))
-    if not ms:
+    costs = target_costs(fs).get(config)
+    if not costs:
         raise SystemExit(f"no forward costs of {config} in the perf result")
-    times = [fs[f"{config}/target/m={m}"] for m in ms]
+    ms = sorted(costs)
+    times = [costs[m] for m in ms]
     target = tuple(float(np.interp(m, ms, times)) for m in range(1, max_k + 2))
     row = perf["summary"].get(f"{config}-sd@T={temperature:.1f}")
     if row is None or "engine_ms_per_step" not in row:

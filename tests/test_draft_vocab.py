@@ -24,7 +24,7 @@ if not is_available():  # pragma: no cover - depends on the environment
 
 from quickdraft.backends.openvino import OpenVINORunner  # noqa: E402
 from quickdraft.backends.openvino.export import EXPORT_MANIFEST, draft_vocab_ids, export, export_dir_name  # noqa: E402
-from quickdraft.backends.openvino.runner import _scatter_vocab  # noqa: E402
+from quickdraft.backends.openvino.runner import HeadLayout, _scatter_vocab  # noqa: E402
 from quickdraft.decoding.drafters import ModelDrafter  # noqa: E402
 from quickdraft.decoding.engine import generate  # noqa: E402
 from quickdraft.errors import QuickdraftError  # noqa: E402
@@ -65,11 +65,18 @@ def test_draft_vocab_ids_are_the_lowest_ids_and_the_end_of_sequence_ids():
 
 
 def test_scatter_puts_each_logit_at_its_id():
+    inf = float("-inf")
     logits = torch.tensor([[[1.0, 2.0, 3.0]]])  # [B=1, n=1, V'=3]
-    full = _scatter_vocab(logits, torch.tensor([0, 1, 4]), 6)
-    assert full.tolist() == [[[1.0, 2.0, float("-inf"), float("-inf"), 3.0, float("-inf")]]]
+    full = _scatter_vocab(logits, HeadLayout.of(torch.tensor([0, 1, 4]), 6), 6)
+    assert full.tolist() == [[[1.0, 2.0, inf, inf, 3.0, inf]]]
+    # no leading run, an id out of order, one outside the vocabulary (dropped with its row)
+    four = torch.tensor([[[1.0, 2.0, 3.0, 4.0]], [[5.0, 6.0, 7.0, 8.0]]])  # [B=2, n=1, V'=4]
+    full = _scatter_vocab(four, HeadLayout.of(torch.tensor([3, 9, 0, 5]), 6), 6)
+    assert full.tolist() == [[[3.0, inf, inf, 1.0, inf, 4.0]], [[7.0, inf, inf, 5.0, inf, 8.0]]]
+    # a head longer than the vocabulary keeps the ids inside it
+    assert _scatter_vocab(four, HeadLayout.of(torch.arange(4), 3), 3).tolist() == [[[1.0, 2.0, 3.0]], [[5.0, 6.0, 7.0]]]
     with pytest.raises(QuickdraftError, match="3 rows"):
-        _scatter_vocab(logits, torch.tensor([0, 1]), 6)
+        _scatter_vocab(logits, HeadLayout.of(torch.tensor([0, 1]), 6), 6)
 
 
 def test_export_keeps_the_subset_rows_of_the_head(exports, tiny_draft):

@@ -33,8 +33,8 @@ from quickdraft.verification.rules import (
     residual,
     typical_threshold,
 )
-from quickdraft.verification.sampling import SamplingParams, logits_to_probs, sample
-from quickdraft.verification.verify import verify_chain
+from quickdraft.verification.sampling import SamplingParams, argmax, logits_to_probs, sample
+from quickdraft.verification.verify import verify_chain, verify_greedy_ids
 
 N_SAMPLES = 100_000
 K = 2
@@ -316,6 +316,49 @@ def test_greedy_accepts_exactly_the_target_argmax():
     draft_probs = torch.full((1, 2, 3), 1 / 3)
     out = verify_chain(torch.tensor([[1, 2]]), draft_probs, target_probs, Greedy())
     assert out.output_ids.tolist() == [[1, 0, -1]] and out.num_accepted.tolist() == [1]
+
+
+def test_argmax_is_torch_argmax_on_every_layout():
+    """The NumPy route gives torch.argmax's answer: the first index on ties, for rows, batches, a
+    strided view, one row, a -inf filled row, bf16 and a tensor that needs grad (torch's route)."""
+    g = torch.Generator().manual_seed(5)
+    ties = torch.randint(0, 3, (6, 4, 50), generator=g).float()  # many ties per row
+    wide = torch.randn(3, 151_936, generator=g)
+    cases = [ties, ties[:, 1:3, 10:40], ties.transpose(0, 1), wide, wide[0], torch.full((2, 9), float("-inf")),
+             ties.bfloat16(), ties.clone().requires_grad_()]
+    for x in cases:
+        got, want = argmax(x), x.argmax(dim=-1)
+        assert got.dtype == torch.int64 and got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_verify_greedy_ids_equals_verify_chain_with_one_hot_distributions(k):
+    """The engine's token-id verification at temperature 0 walks exactly as verify_chain does with the
+    greedy rule and the one-hot distributions logits_to_probs makes: same outputs, acceptances and
+    recoveries, for drafts that agree with the target at random, rows that drafted fewer tokens,
+    rows that drafted none and logits with ties."""
+    g = torch.Generator().manual_seed(11)
+    b, v = 64, 7
+    greedy = SamplingParams(temperature=0.0)
+    t_logits = torch.randint(0, 4, (b, k + 1, v), generator=g).float()  # small integers: many ties
+    target_ids = t_logits.argmax(dim=-1)
+    agree = torch.rand(b, k, generator=g) < 0.7
+    draft_ids = torch.where(agree, target_ids[:, :k], torch.randint(0, v, (b, k), generator=g))
+    lengths = torch.randint(0, k + 1, (b,), generator=g)
+    draft_probs = torch.zeros(b, k, v).scatter_(-1, draft_ids.unsqueeze(-1), 1.0)
+    for draft_lengths in (None, lengths):
+        expected = verify_chain(draft_ids, draft_probs, logits_to_probs(t_logits, greedy), Greedy(),
+                                draft_lengths=draft_lengths)
+        got = verify_greedy_ids(draft_ids, target_ids, draft_lengths)
+        assert torch.equal(got.output_ids, expected.output_ids)
+        assert torch.equal(got.num_accepted, expected.num_accepted)
+        assert torch.equal(got.num_lossy, expected.num_lossy)
+    if k:  # the cases the comparison covers: full acceptance, a rejection at the first token, one later
+        n = verify_greedy_ids(draft_ids, target_ids).num_accepted
+        assert (n == 0).any() and (n == k).any()
+        assert k == 1 or ((n > 0) & (n < k)).any()
+    with pytest.raises(QuickdraftError, match="target_ids"):
+        verify_greedy_ids(draft_ids, target_ids[:, :k])
 
 
 # -- Fuzzy (FSD) --------------------------------------------------------------------------------

@@ -27,33 +27,55 @@ import torch
 from quickdraft.decoding.policies import Policy, _check_k
 from quickdraft.verification.rules import Rule, VerifyContext
 from quickdraft.backends.runner import ModelRunner
-from quickdraft.verification.sampling import SamplingParams, logits_to_probs, raw_probs
+from quickdraft.verification.sampling import SamplingParams, argmax, logits_to_probs, raw_probs
 
 
 @dataclass
 class Draft:
+    """One step's chain drafts of a batch.
+
+    ``probs`` is ``None`` where every distribution is one-hot at its drafted token (copied tokens,
+    or argmax drafts at temperature 0): :meth:`dense_probs` then builds them over ``vocab_size``
+    tokens, and a greedy verification on token ids never needs them.
+    """
+
     ids: torch.Tensor  # [B, K] int64
-    probs: torch.Tensor  # [B, K, V] the distributions the ids were drawn from
+    probs: torch.Tensor | None  # [B, K, V] the distributions the ids were drawn from (None: one-hot at ids)
     lengths: torch.Tensor  # [B] int64, tokens actually drafted per row (<= K)
     raw_probs: torch.Tensor | None = None  # [B, K, V] temperature-1 distributions, when the rule wants them
     forwards: int = 0  # draft-model forwards spent
     logits: torch.Tensor | None = None  # [B, K, V] the draft model's logits, when its drafter keeps them
+    vocab_size: int | None = None  # V, needed where ``probs`` is None
+
+    def __post_init__(self) -> None:
+        if self.probs is None and self.vocab_size is None:
+            raise ValueError("a Draft without probs needs vocab_size (its distributions are one-hot at ids)")
+
+    def dense_probs(self) -> torch.Tensor:
+        """``[B, K, V]``: ``probs``, or the one-hot distributions at ``ids`` where they are implicit."""
+        if self.probs is not None:
+            return self.probs
+        b, k = self.ids.shape
+        out = torch.zeros((b, k, int(self.vocab_size)), device=self.ids.device)
+        return out.scatter_(-1, self.ids.unsqueeze(-1), 1.0)
 
     def truncate(self, k: int) -> "Draft":
         """The first ``k`` columns (rows that drafted more keep ``k`` of them)."""
         if self.ids.shape[1] <= k:
             return self
         return Draft(
-            ids=self.ids[:, :k], probs=self.probs[:, :k], lengths=self.lengths.clamp_max(k),
+            ids=self.ids[:, :k], probs=None if self.probs is None else self.probs[:, :k],
+            lengths=self.lengths.clamp_max(k),
             raw_probs=None if self.raw_probs is None else self.raw_probs[:, :k], forwards=self.forwards,
-            logits=None if self.logits is None else self.logits[:, :k],
+            logits=None if self.logits is None else self.logits[:, :k], vocab_size=self.vocab_size,
         )
 
     def to(self, device: torch.device) -> "Draft":
         return Draft(
-            ids=self.ids.to(device), probs=self.probs.to(device), lengths=self.lengths.to(device),
+            ids=self.ids.to(device), probs=None if self.probs is None else self.probs.to(device),
+            lengths=self.lengths.to(device),
             raw_probs=None if self.raw_probs is None else self.raw_probs.to(device), forwards=self.forwards,
-            logits=None if self.logits is None else self.logits.to(device),
+            logits=None if self.logits is None else self.logits.to(device), vocab_size=self.vocab_size,
         )
 
 
@@ -76,18 +98,19 @@ def pending_block(sequences: list[list[int]], lengths: torch.Tensor, pad_id: int
 
 def one_hot_draft(found: list[list[int]], vocab_size: int, rule: Rule) -> Draft:
     """The :class:`Draft` of copied tokens ``found`` (one list per row, possibly empty): right-padded
-    ids and one-hot distributions, the distributions the copies were "drawn" from."""
+    ids and one-hot distributions, the distributions the copies were "drawn" from (implicit:
+    :meth:`Draft.dense_probs` builds them)."""
     k = max(len(f) for f in found)
     b = len(found)
     ids = torch.zeros((b, k), dtype=torch.long)
     for row, f in enumerate(found):
         if f:
             ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
-    probs = torch.zeros((b, k, vocab_size))
-    probs.scatter_(-1, ids.unsqueeze(-1), 1.0)
     lengths = torch.tensor([len(f) for f in found], dtype=torch.long)
-    raw = probs if getattr(rule, "needs_raw", False) else None
-    return Draft(ids=ids, probs=probs, lengths=lengths, raw_probs=raw, forwards=0)
+    draft = Draft(ids=ids, probs=None, lengths=lengths, forwards=0, vocab_size=vocab_size)
+    if getattr(rule, "needs_raw", False):
+        draft.raw_probs = draft.dense_probs()
+    return draft
 
 
 class ModelDrafter:
@@ -123,19 +146,25 @@ class ModelDrafter:
         max_k = policy.begin_step()
         tokens, dists, raws, kept = [], [], [], []
         forwards = 0
+        # argmax drafts at temperature 0: each distribution is one-hot at its token (left implicit)
+        one_hot = sampling.greedy and rule.greedy_drafts
+        needs_raw = getattr(rule, "needs_raw", False)
         for i in range(max_k):
             out = self.first_forward(sequences, policy) if i == 0 else self.next_forward(token, out, policy)
             forwards += 1
             logits = out.logits[:, -1]  # [B, V]
             logits = logits[:, : self.vocab_size]
-            probs = logits_to_probs(logits, sampling)
-            token = rule.propose(probs, ctx, offset=i)  # [B]
+            if one_hot:
+                token = argmax(logits)  # [B], what the rule's propose takes from the one-hot
+            else:
+                probs = logits_to_probs(logits, sampling)
+                token = rule.propose(probs, ctx, offset=i)  # [B]
+                dists.append(probs)
             tokens.append(token)
-            dists.append(probs)
             if self.keep_logits:
                 kept.append(logits)
-            raw = raw_probs(logits) if getattr(rule, "needs_raw", False) or i + 1 < max_k else None
-            if getattr(rule, "needs_raw", False):
+            raw = raw_probs(logits) if needs_raw or (i + 1 < max_k and getattr(policy, "needs_probs", True)) else None
+            if needs_raw:
                 raws.append(raw)
             hidden = out.hidden[:, -1] if out.hidden is not None else None
             # policies see the draft's unwarped distribution: a confidence signal that stays
@@ -146,11 +175,12 @@ class ModelDrafter:
         lengths = torch.where(active.to(self.runner.device), k, 0)
         return Draft(
             ids=torch.stack(tokens, dim=1),
-            probs=torch.stack(dists, dim=1),
+            probs=None if one_hot else torch.stack(dists, dim=1),
             lengths=lengths,
             raw_probs=torch.stack(raws, dim=1) if raws else None,
             forwards=forwards,
             logits=torch.stack(kept, dim=1) if kept else None,
+            vocab_size=self.vocab_size,
         )
 
     def first_forward(self, sequences: list[list[int]], policy: Policy):

@@ -16,7 +16,8 @@ A policy is asked three things by the engine, once per verification step:
     the draft model, i.e. the accepted context's last token for ``i = 0`` and draft token ``i - 1``
     for ``i >= 1``, and ``token`` the ``[B]`` ids of draft token ``i`` itself (drawn from the
     processed version of ``draft_probs``; ``None`` if the drafter does not say). One answer for the
-    whole batch.
+    whole batch. A policy that never reads ``draft_probs`` says so (:attr:`needs_probs` false), and
+    the drafter then spares the softmax and passes ``None``.
 ``update(num_drafted, num_accepted)``
     the outcome of the step (``num_accepted`` is ``[B]``, the rows that took part).
 
@@ -88,6 +89,8 @@ class Policy:
 
     name: str = "policy"
     needs_hidden: bool = False
+    #: whether ``keep_drafting`` reads ``draft_probs`` (a drafter may pass ``None`` where not)
+    needs_probs: bool = True
 
     def begin_step(self) -> int:
         raise NotImplementedError
@@ -124,6 +127,7 @@ class BudgetCap(Policy):
         self.cap = int(cap)
         self.name = policy.name
         self.needs_hidden = policy.needs_hidden
+        self.needs_probs = policy.needs_probs
 
     def begin_step(self) -> int:
         return min(self.policy.begin_step(), self.cap)
@@ -213,6 +217,7 @@ class Constant(Policy):
 
     k: int = 4
     name = "constant"
+    needs_probs = False
 
     def __post_init__(self) -> None:
         _check_k(self.k, "draft length k")
@@ -239,6 +244,7 @@ class Heuristic(Policy):
     min_k: int = 1
     max_k: int = 16
     name = "heuristic"
+    needs_probs = False
     k: int = field(init=False)
 
     def __post_init__(self) -> None:

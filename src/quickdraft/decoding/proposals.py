@@ -39,8 +39,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.policies import MAX_DRAFT_LENGTH, BudgetCap, Policy
 from quickdraft.verification.rules import Rule, VerifyContext
 from quickdraft.backends.runner import ModelRunner
-from quickdraft.verification.sampling import SamplingParams, logits_to_probs, raw_probs
-from quickdraft.verification.verify import verify_chain
+from quickdraft.verification.sampling import SamplingParams, argmax, logits_to_probs, raw_probs
+from quickdraft.verification.verify import verify_chain, verify_greedy_ids
 
 
 @dataclass
@@ -148,6 +148,8 @@ class ChainProposer:
         self.sampling = sampling
         self.vocab_size = vocab_size
         self.needs_raw = getattr(rule, "needs_raw", False)  # the rule reads temperature-1 distributions
+        # the rule reads only argmax ids at this temperature: verify on token ids (verify_greedy_ids)
+        self.on_ids = sampling.greedy and getattr(rule, "argmax_only", False) and not self.needs_raw
         self.runner = draft_runner(drafter)
         # room for the longest draft and its bonus token
         self.room = 0 if drafter is None else max(step_k, getattr(drafter, "max_draft", 0)) + 1
@@ -165,7 +167,7 @@ class ChainProposer:
             b, device = len(sequences), active.device
             draft = Draft(
                 ids=torch.zeros((b, 0), dtype=torch.long, device=device),
-                probs=torch.zeros((b, 0, self.vocab_size), device=device),
+                probs=None, vocab_size=self.vocab_size,
                 lengths=torch.zeros(b, dtype=torch.long, device=device),
                 raw_probs=torch.zeros((b, 0, self.vocab_size), device=device) if self.needs_raw else None,
             )
@@ -202,16 +204,19 @@ class ChainProposal:
         proposer, draft = self.proposer, self.draft
         k = draft.ids.shape[1]
         target_logits = target_logits[:, :, : proposer.vocab_size]  # [B, K+1, V]
-        target_probs = logits_to_probs(target_logits, proposer.sampling)
-        if proposer.needs_raw:
-            ctx.raw_target_probs = raw_probs(target_logits)
-            ctx.raw_draft_probs = draft.raw_probs
-        if hasattr(proposer.drafter, "observe"):  # a drafter that learns from the verification
-            self.target_ids = target_logits.argmax(dim=-1)  # [B, K+1] target's likeliest token after each prefix
-        result = verify_chain(
-            draft.ids, draft.probs, target_probs, proposer.rule, ctx=ctx,
-            draft_lengths=draft.lengths if k else None, check_probs=False,
-        )
+        if hasattr(proposer.drafter, "observe") or proposer.on_ids:
+            self.target_ids = argmax(target_logits)  # [B, K+1] target's likeliest token after each prefix
+        if proposer.on_ids:  # the same walk as verify_chain's with one-hot distributions, on ids
+            result = verify_greedy_ids(draft.ids, self.target_ids, draft.lengths if k else None)
+        else:
+            target_probs = logits_to_probs(target_logits, proposer.sampling)
+            if proposer.needs_raw:
+                ctx.raw_target_probs = raw_probs(target_logits)
+                ctx.raw_draft_probs = draft.raw_probs
+            result = verify_chain(
+                draft.ids, draft.dense_probs(), target_probs, proposer.rule, ctx=ctx,
+                draft_lengths=draft.lengths if k else None, check_probs=False,
+            )
         return Walk(output_ids=result.output_ids, num_accepted=result.num_accepted, num_lossy=result.num_lossy,
                     drafted_depth=draft.lengths, drafted_nodes=draft.lengths)
 

@@ -62,7 +62,7 @@ from quickdraft.verification.race import race_keys as make_race_keys, race_sampl
 from quickdraft.decoding.proposals import Walk
 from quickdraft.verification.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule, VerifyContext
 from quickdraft.backends.runner import ModelRunner
-from quickdraft.verification.sampling import SamplingParams, logits_to_probs, raw_probs
+from quickdraft.verification.sampling import SamplingParams, argmax, logits_to_probs, raw_probs
 from quickdraft.decoding.tree import (
     RACE_SCHEME, SCHEMES, TokenTree, TreeConfig, build_tree, check_combination, proposals_for,
 )
@@ -175,7 +175,7 @@ def verify_tree(
             # the target's race winner after this node (processed probs as given, like chain ERSD)
             token = race_sample(target_probs[rows, node], race_keys[rows, step])
         elif greedy:
-            token[~lossy] = p[~lossy].argmax(dim=-1)
+            token[~lossy] = argmax(p[~lossy])
         else:
             for n in sorted(set(n_drafts[~lossy].tolist())):
                 g = ((n_drafts == n) & ~lossy).nonzero().squeeze(-1)

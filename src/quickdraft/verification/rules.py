@@ -45,7 +45,7 @@ import torch
 from quickdraft.verification.divergences import DEFAULT_TOP_K, DEFAULT_TOP_P, DIVERGENCES, canonical_name, entropy, get_divergence
 from quickdraft.errors import QuickdraftError
 from quickdraft.verification.race import race_candidates, race_keys, race_sample
-from quickdraft.verification.sampling import sample
+from quickdraft.verification.sampling import argmax, sample
 
 
 @dataclass
@@ -84,6 +84,10 @@ class Rule(abc.ABC):
     lossless: bool = True
     #: True when drafts are the drafter's argmax rather than samples
     greedy_drafts: bool = False
+    #: True when, at temperature 0, the rule's decisions read nothing but the draft ids and the argmax
+    #: of each target distribution, so the engine may verify on token ids and skip the one-hot
+    #: distributions (:func:`quickdraft.verification.verify.verify_greedy_ids`)
+    argmax_only: bool = False
     #: True when the rule reads ``ctx.raw_draft_probs`` / ``ctx.raw_target_probs`` (the engine only
     #: computes them when asked)
     needs_raw: bool = False
@@ -95,7 +99,7 @@ class Rule(abc.ABC):
     def propose(self, draft_probs: torch.Tensor, ctx: VerifyContext, offset: int = 0) -> torch.Tensor:
         """Draft one token per row from ``draft_probs [B, V]`` at draft position ``offset``."""
         if self.greedy_drafts:
-            return draft_probs.argmax(dim=-1)
+            return argmax(draft_probs)
         return sample(draft_probs, ctx.generator)
 
     @abc.abstractmethod
@@ -123,7 +127,7 @@ class Rule(abc.ABC):
     def bonus(self, target_probs: torch.Tensor, ctx: VerifyContext, offsets: torch.Tensor) -> torch.Tensor:
         """Token ``[B]`` emitted after a fully accepted draft, from ``target_probs [B, V]``."""
         if self.greedy_drafts:
-            return target_probs.argmax(dim=-1)
+            return argmax(target_probs)
         return sample(target_probs, ctx.generator)
 
 
@@ -187,12 +191,13 @@ class Greedy(Rule):
     name = "greedy"
     lossless = True
     greedy_drafts = True
+    argmax_only = True
 
     def accept(self, draft_ids, draft_probs, target_probs, ctx):
-        return draft_ids == target_probs.argmax(dim=-1), None
+        return draft_ids == argmax(target_probs), None
 
     def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
-        return target_probs.argmax(dim=-1)
+        return argmax(target_probs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,7 +395,7 @@ class Typical(Rule):
 
     def correct(self, rejected_ids, draft_probs, target_probs, ctx, offsets):
         if self.recover == "argmax":
-            return target_probs.argmax(dim=-1)
+            return argmax(target_probs)
         return sample(target_probs, ctx.generator)
 
     def bonus(self, target_probs, ctx, offsets):

@@ -172,6 +172,32 @@ def verify_chain(
     return Verification(output_ids=out, num_accepted=num_accepted, num_lossy=num_lossy)
 
 
+def verify_greedy_ids(draft_ids: torch.Tensor, target_ids: torch.Tensor,
+                      draft_lengths: torch.Tensor | None = None) -> Verification:
+    """:func:`verify_chain` with the :class:`~quickdraft.verification.rules.Greedy` rule at temperature 0,
+    on token ids: the same result from the target's argmax ids instead of its one-hot distributions.
+
+    ``draft_ids [B, K]``; ``target_ids [B, K+1]`` the argmax of the target's logits after each draft
+    prefix; ``draft_lengths`` as for :func:`verify_chain`. A draft token is accepted while it equals
+    the target's argmax; the first mismatch (or, after a fully accepted draft, the last column)
+    emits the target's argmax. Nothing here reads the vocabulary, so a step costs ``O(B·K)``.
+    """
+    if draft_ids.dim() != 2 or target_ids.dim() != 2 or target_ids.shape != (draft_ids.shape[0], draft_ids.shape[1] + 1):
+        raise QuickdraftError(f"draft_ids must be [B, K] and target_ids [B, K+1], got shapes "
+                              f"{tuple(draft_ids.shape)} and {tuple(target_ids.shape)}")
+    b, k = draft_ids.shape
+    device = draft_ids.device
+    rows = torch.arange(b, device=device)
+    cols = torch.arange(k + 1, device=device).unsqueeze(0)
+    accepted = draft_ids == target_ids[:, :k]
+    if draft_lengths is not None:
+        accepted = accepted & (cols[:, :k] < draft_lengths.unsqueeze(1))
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
+    out = torch.where(cols < num_accepted.unsqueeze(1), torch.cat([draft_ids, target_ids[:, -1:]], dim=1), -1)
+    out[rows, num_accepted] = target_ids[rows, num_accepted]
+    return Verification(output_ids=out, num_accepted=num_accepted, num_lossy=torch.zeros_like(num_accepted))
+
+
 def _subset(ctx: VerifyContext, idx: torch.Tensor) -> VerifyContext:
     """The context restricted to the rows ``idx`` (raw distributions stay full: rules index them)."""
     return VerifyContext(

@@ -26,6 +26,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -210,6 +211,7 @@ class OpenVINORunner:
         self.export_info = read_manifest(path)
         # a draft vocabulary: the head's rows are these token ids (None: the whole vocabulary)
         self.head_ids = _head_ids(self.export_info)
+        self.head_layout = None if self.head_ids is None else HeadLayout.of(self.head_ids, self.vocab_size)
         # the fingerprint of the exported weights (quickdraft.decoding.head.model_fingerprint), for head checks
         self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path),
                                      fingerprint=self.export_info.get("fingerprint"))
@@ -284,8 +286,8 @@ class OpenVINORunner:
         self.infer_seconds += time.perf_counter() - start
         self.num_forwards += 1
         logits = torch.from_numpy(np.array(self.request.get_tensor("logits").data, copy=True))  # [B, keep, V']
-        if self.head_ids is not None:
-            logits = _scatter_vocab(logits, self.head_ids, self.vocab_size)
+        if self.head_layout is not None:
+            logits = _scatter_vocab(logits, self.head_layout, self.vocab_size)
         elif logits.shape[-1] != self.vocab_size:
             logits = _fit_vocab(logits, self.vocab_size)
         hidden = None
@@ -502,14 +504,36 @@ def _head_ids(export_info: dict) -> torch.Tensor | None:
     return torch.cat([torch.arange(int(size)), torch.tensor(extra, dtype=torch.long)])
 
 
-def _scatter_vocab(logits: torch.Tensor, head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Logits over a draft vocabulary ``[..., V']`` placed at ``head_ids`` in ``[..., V]``, ``-inf`` elsewhere
-    (probability zero: the drafter never proposes those tokens)."""
-    if logits.shape[-1] != head_ids.numel():
-        raise QuickdraftError(f"the export's head has {logits.shape[-1]} rows, its manifest names {head_ids.numel()} ids")
-    ids = head_ids[head_ids < vocab_size]
+class HeadLayout(NamedTuple):
+    """Where the rows of a reduced head go in the vocabulary: rows ``0 .. prefix - 1`` hold token ids
+    ``0 .. prefix - 1`` (how :func:`quickdraft.backends.openvino.export.draft_vocab_ids` orders them),
+    rows ``extra_rows`` hold ids ``extra_ids``; a row naming an id outside the vocabulary is dropped."""
+
+    rows: int
+    prefix: int
+    extra_rows: torch.Tensor
+    extra_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, head_ids: torch.Tensor, vocab_size: int) -> "HeadLayout":
+        n = head_ids.numel()
+        run = (head_ids == torch.arange(n)).long().cumprod(dim=0)
+        prefix = min(int(run.sum()), vocab_size)
+        rest = torch.arange(prefix, n)
+        keep = head_ids[prefix:] < vocab_size
+        return cls(n, prefix, rest[keep], head_ids[prefix:][keep])
+
+
+def _scatter_vocab(logits: torch.Tensor, layout: HeadLayout, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary ``[..., V']`` placed by ``layout`` in ``[..., V]``, ``-inf`` elsewhere
+    (probability zero: the drafter never proposes those tokens). The leading run of ids is one copy,
+    so a call costs about one write of ``V`` floats."""
+    if logits.shape[-1] != layout.rows:
+        raise QuickdraftError(f"the export's head has {logits.shape[-1]} rows, its manifest names {layout.rows} ids")
     full = torch.full((*logits.shape[:-1], vocab_size), float("-inf"), dtype=logits.dtype)
-    full[..., ids] = logits[..., : ids.numel()]
+    full[..., : layout.prefix] = logits[..., : layout.prefix]
+    if layout.extra_ids.numel():
+        full[..., layout.extra_ids] = logits[..., layout.extra_rows]
     return full
 
 

@@ -219,8 +219,18 @@ class GenAIPipelines:
     """OpenVINO GenAI's ``LLMPipeline`` over GenAI-layout exports of the target (plain decoding) and
     of target + draft (its speculative decoding); ``target`` / ``draft`` are the export directories."""
 
-    def __init__(self, target, draft, plain, speculative) -> None:
+    def __init__(self, target, draft, plain, speculative, tuned: bool = False) -> None:
         self.target, self.draft, self.plain, self.speculative = target, draft, plain, speculative
+        self.tuned = tuned
+
+    def renew_speculative(self) -> None:
+        """A fresh speculative pipeline: after a call that raised, GenAI's pipeline goes on decoding
+        without drafting a token (its later calls report no draft tokens and run at its plain speed)."""
+        from quickdraft.evaluation.anchors import openvino_genai_pipeline
+        from quickdraft.backends.threads import runtime_threads
+
+        self.speculative = None
+        self.speculative = openvino_genai_pipeline(self.target, self.draft, n_threads=runtime_threads(), tuned=self.tuned)
 
 
 def genai_pipelines(weights: str, plain: bool, speculative: bool, tuned: bool = False) -> GenAIPipelines:
@@ -234,7 +244,7 @@ def genai_pipelines(weights: str, plain: bool, speculative: bool, tuned: bool = 
 
     plain = openvino_genai_pipeline(dirs[0], n_threads=runtime_threads(), tuned=tuned) if plain else None
     spec = openvino_genai_pipeline(dirs[0], dirs[1], n_threads=runtime_threads(), tuned=tuned) if speculative else None
-    return GenAIPipelines(dirs[0], dirs[1], plain, spec)
+    return GenAIPipelines(dirs[0], dirs[1], plain, spec, tuned=tuned)
 
 
 def _export_bytes(path) -> int:
@@ -338,8 +348,13 @@ def run(args: argparse.Namespace) -> dict:
                     res = openvino_genai_generate(pipe.speculative, ids, sampling=sampling, max_new_tokens=max_new,
                                                   eos_token_ids=eos, seed=seed, num_assistant_tokens=k or args.k)
                 except RuntimeError as err:  # recorded, and left out of this config's rate
+                    pipe.renew_speculative()
                     return {"error": str(err).strip().splitlines()[-1][:300], "new_tokens": 0, "seconds": 0.0,
                             "new_ids": []}
+                if res.speculative and res.speculative["drafted_tokens"] == 0 and len(res.new_ids) > 1:
+                    pipe.renew_speculative()  # not speculative decoding: recorded, left out of the rate
+                    return {"error": "GenAI's speculative decoding drafted no token (it decoded plainly)",
+                            **res.speculative, "new_tokens": 0, "seconds": 0.0, "new_ids": []}
             extra = {}
             if res.speculative:  # its own counts, and the time outside its two models' inference
                 spec = res.speculative

@@ -351,7 +351,7 @@ def run(args: argparse.Namespace) -> dict:
                     pipe.renew_speculative()
                     return {"error": str(err).strip().splitlines()[-1][:300], "new_tokens": 0, "seconds": 0.0,
                             "new_ids": []}
-                if res.speculative and res.speculative["drafted_tokens"] == 0 and len(res.new_ids) > 1:
+                if res.drafted_nothing:
                     pipe.renew_speculative()  # not speculative decoding: recorded, left out of the rate
                     return {"error": "GenAI's speculative decoding drafted no token (it decoded plainly)",
                             **res.speculative, "new_tokens": 0, "seconds": 0.0, "new_ids": []}

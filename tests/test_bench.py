@@ -291,3 +291,16 @@ def test_models_meta_records_an_openvino_draft_as_loaded():
     meta = _models_meta("target", "draft", "auto", "int8", "int4", backend="openvino", draft_head=_draft_head(cut))
     assert meta == {"target": "target", "draft": "draft", "dtype": "auto", "backend": "openvino", "quantize": "int8",
                     "quantize_draft": "int4", "draft_head": 7}
+
+
+def test_a_speculative_anchor_call_that_drafted_nothing_is_flagged():
+    """GenAI's speculative pipeline, after a call that failed, decodes without drafting: such a call
+    must not count as speculative decoding (bench_perf records it as an error)."""
+    from quickdraft.evaluation.anchors import AnchorResult
+
+    counts = {"drafted_tokens": 0, "accepted_tokens": 0, "target_infer_seconds": 1.0, "draft_infer_seconds": 0.5}
+    assert AnchorResult(new_ids=[5, 6, 7], seconds=1.0, speculative=counts).drafted_nothing
+    assert not AnchorResult(new_ids=[5], seconds=1.0, speculative=counts).drafted_nothing  # one token: no step to draft
+    assert not AnchorResult(new_ids=[5, 6, 7], seconds=1.0,
+                            speculative={**counts, "drafted_tokens": 4, "accepted_tokens": 1}).drafted_nothing
+    assert not AnchorResult(new_ids=[5, 6, 7], seconds=1.0).drafted_nothing  # plain decoding reports no counts

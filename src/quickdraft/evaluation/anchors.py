@@ -22,6 +22,12 @@ class AnchorResult:
     #: (:func:`genai_speculative_metrics`); None for every other anchor
     speculative: dict | None = None
 
+    @property
+    def drafted_nothing(self) -> bool:
+        """A speculative call that emitted more than one token and drafted none: not speculative
+        decoding (GenAI's pipeline decodes so after a call of it failed)."""
+        return bool(self.speculative) and self.speculative.get("drafted_tokens") == 0 and len(self.new_ids) > 1
+
 
 def _sampling_kwargs(sampling: SamplingParams) -> dict:
     if sampling.greedy:

@@ -108,8 +108,8 @@ def one_hot_draft(found: list[list[int]], vocab_size: int, rule: Rule) -> Draft:
             ids[row, : len(f)] = torch.tensor(f, dtype=torch.long)
     lengths = torch.tensor([len(f) for f in found], dtype=torch.long)
     draft = Draft(ids=ids, probs=None, lengths=lengths, forwards=0, vocab_size=vocab_size)
-    if getattr(rule, "needs_raw", False):
-        draft.raw_probs = draft.dense_probs()
+    if getattr(rule, "needs_raw", False):  # one tensor for both, built once, as the rule reads both
+        draft.probs = draft.raw_probs = draft.dense_probs()
     return draft
 
 

@@ -154,6 +154,36 @@ def exact_triples(model, prompt: list[int], params) -> np.ndarray:
     return (p1.view(v, 1, 1) * p2.view(v, v, 1) * p3).numpy()
 
 
+def exact_law(model, prompt: list[int], params, n: int) -> np.ndarray:
+    """``p(t1) p(t2 | t1) … p(tn | t1 … tn-1)`` of ``model`` after ``prompt`` under sampling
+    ``params``, ``[V] * n`` (small vocabularies: one batched forward over all ``V^(n-1)`` contexts
+    of each length)."""
+    from quickdraft.verification.sampling import logits_to_probs
+
+    v = model.config.vocab_size
+    law = torch.ones(())
+    with torch.no_grad():
+        for depth in range(n):
+            contexts = torch.tensor([prompt + list(c) for c in np.ndindex(*(v,) * depth)], dtype=torch.long)
+            p = logits_to_probs(model(contexts).logits[:, -1], params).double().view(*(v,) * (depth + 1))
+            law = law.unsqueeze(-1) * p
+    return law.numpy()
+
+
+def exact_after_first(model, prompt: list[int], params, n: int) -> np.ndarray:
+    """The law ``[V] * n`` of new tokens 2 … n + 1 (the first one marginalised out): the engine
+    takes the first token from the prefill's forward, so these are the tokens its steps emit."""
+    return exact_law(model, prompt, params, n + 1).sum(axis=0)
+
+
+def counts_after_first(sequences: list[list[int]], vocab: int, n: int) -> np.ndarray:
+    """Counts ``[V] * n`` of new tokens 2 … n + 1 of every sequence (against :func:`exact_after_first`)."""
+    seqs = np.array([s[1: n + 1] for s in sequences])
+    counts = np.zeros((vocab,) * n)
+    np.add.at(counts, tuple(seqs[:, i] for i in range(n)), 1)
+    return counts
+
+
 def tree_pair_counts(
     tree, p1: torch.Tensor, p2: torch.Tensor, verifier: str, generator: torch.Generator
 ) -> tuple[np.ndarray, int]:

@@ -24,7 +24,8 @@ from quickdraft.verification.rules import Fuzzy, Lossless
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 
-from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, triple_counts, word_tokenizer
+from conftest import (TINY_VOCAB, chi_square_pvalue, counts_after_first, exact_after_first, perturbed_copy, tiny_lm,
+                      word_tokenizer)
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
@@ -58,7 +59,7 @@ def test_greedy_amusd_equals_plain_greedy(tiny_target, tiny_draft, close_draft, 
             assert out.sequences == plain.sequences[: len(prompts)], (k, len(prompts))
             m = out.batch_metrics
             assert m.accepted_tokens > 0
-            assert m.emitted_tokens >= m.new_tokens  # each step's emitted tokens, before the budget's cut
+            assert m.prefill_tokens + m.emitted_tokens >= m.new_tokens  # before the budget's cut
     # with the close draft most steps start with their block already drafted
     drafter = _amusd(close_draft)
     out = generate(target, PROMPTS[:1], method="amusd", drafter=drafter, policy=Constant(k), max_new_tokens=40)
@@ -149,9 +150,9 @@ def test_keyed_draft_tokens_follow_the_distribution_and_their_keys():
 
 
 def test_amusd_sampling_matches_the_target(one_thread):
-    """At T = 1 on a vocabulary-8 pair with a close draft, 12,000 rows generate four tokens with
+    """At T = 1 on a vocabulary-8 pair with a close draft, 12,000 rows generate five tokens with
     K = 2: blocks accepted whole defer their bonus, and the carried distribution verifies the next
-    block's first token. The first three tokens follow the target's exact law (512 cells,
+    block's first token. The three tokens after the prefill's follow the target's exact law (512 cells,
     chi-square p > 1e-4). Two broken variants fail the same test (p < 1e-6): accepting every draft,
     and accepting the ready block's first token unverified (carrying the draft's own distribution
     instead of the target's)."""
@@ -162,15 +163,15 @@ def test_amusd_sampling_matches_the_target(one_thread):
     draft = perturbed_copy(model, scale=0.3, seed=2)
     params = SamplingParams(temperature=1.0)
     prompt = [5, 4, 7, 5]
-    exact = exact_triples(model, prompt, params)
+    exact = exact_after_first(model, prompt, params, 3)
     target = ModelRunner(model)
 
     def run(rule=Lossless(), proposer=AsyncProposer):
         drafter = AsyncDrafter(ModelRunner(draft), v)
         drafter.proposer = lambda policy, rule, sampling: proposer(drafter, policy, rule, sampling)
         out = generate(target, [prompt] * n, method="amusd", drafter=drafter, rule=rule, policy=Constant(2),
-                       sampling=params, max_new_tokens=4, seed=17)
-        counts = triple_counts(out.sequences, v)
+                       sampling=params, max_new_tokens=5, seed=17)
+        counts = counts_after_first(out.sequences, v, 3)
         return counts, out.batch_metrics
 
     counts, m = run()

@@ -86,7 +86,7 @@ def test_tree_greedy_equals_plain_greedy(cuda_pair):
 
 def test_tree_sampling_matches_the_target(tiny_target):
     """10,000 rows of depth-2 trees (children drawn without replacement, recursive rejection
-    sampling) on the GPU: the first two tokens follow the target's exact law; walking the same
+    sampling) on the GPU: the two tokens after the prefill's follow the target's exact law; walking the same
     trees as if every row were greedy (the target's argmax) fails."""
     params = SamplingParams(temperature=1.0)
     exact = _exact_two_token_distribution(tiny_target, [1, 2, 3], params)
@@ -94,25 +94,26 @@ def test_tree_sampling_matches_the_target(tiny_target):
     draft = ModelRunner(on_cuda(perturbed_copy(tiny_target, scale=0.6, seed=5)))
     config = TreeConfig(depth=2, topk=3, budget=7, scheme="without_replacement")
     out = generate_tree(target, draft, [[1, 2, 3]] * 10_000, config=config, verifier="rrs", sampling=params,
-                        max_new_tokens=2, seed=2)
+                        max_new_tokens=3, seed=2)
     assert out.batch_metrics.accepted_tokens > 10_000 // 4
     assert chi_square_pvalue(_two_token_counts(out.sequences), exact) > 1e-4
     greedy = generate_tree(target, draft, [[1, 2, 3]] * 2_000, config=TreeConfig(depth=2, topk=3, budget=7),
-                           max_new_tokens=2, seed=2)
+                           max_new_tokens=3, seed=2)
     assert chi_square_pvalue(_two_token_counts(greedy.sequences), exact) < 1e-6
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=10, top_p=0.9)])
 def test_speculative_sampling_matches_the_target(tiny_target, params):
-    """20,000 two-token continuations drawn through the engine on the GPU, with a draft that often
-    disagrees, follow the target's exact law (computed on the CPU); accepting every draft fails."""
+    """20,000 three-token continuations drawn through the engine on the GPU, with a draft that often
+    disagrees: the two tokens after the prefill's follow the target's exact law (computed on the
+    CPU); accepting every draft fails."""
     prompt = [1, 2, 3]
     exact = _exact_two_token_distribution(tiny_target, prompt, params)
     n = 20_000
     target = ModelRunner(on_cuda(tiny_target))
     drafter = ModelDrafter(ModelRunner(on_cuda(tiny_lm(seed=7))), TINY_VOCAB)
     out = generate(target, [prompt] * n, method="sd", drafter=drafter, rule=Lossless(), policy=Constant(3),
-                   sampling=params, max_new_tokens=2, seed=11)
+                   sampling=params, max_new_tokens=3, seed=11)
     assert chi_square_pvalue(_two_token_counts(out.sequences), exact) > 1e-4
 
     class AcceptAll(Lossless):
@@ -120,7 +121,7 @@ def test_speculative_sampling_matches_the_target(tiny_target, params):
             return torch.ones_like(draft_ids, dtype=torch.bool), None
 
     bad = generate(target, [prompt] * n, method="sd", drafter=drafter, rule=AcceptAll(), policy=Constant(3),
-                   sampling=params, max_new_tokens=2, seed=11)
+                   sampling=params, max_new_tokens=3, seed=11)
     assert chi_square_pvalue(_two_token_counts(bad.sequences), exact) < 1e-6
 
 

@@ -108,8 +108,8 @@ def test_greedy_speculative_equals_plain_greedy_with_a_draft_vocabulary(exports)
 
 
 def test_lossless_sampling_with_a_draft_vocabulary_matches_the_target(exports):
-    """The first two tokens after a fixed prompt, sampled by `sd` (lossless rule, T = 1) with the
-    subset draft, against the target's exact two-token distribution. The control is the mistake a
+    """The two tokens after the prefill's first one, sampled by `sd` (lossless rule, T = 1) with the
+    subset draft, against the target's exact law of new tokens 2 and 3. The control is the mistake a
     subset draft invites: verifying against the target restricted (renormalised) to the subset —
     its samples never hold the tokens outside it, and the same test must reject them."""
     from scipy import stats
@@ -118,16 +118,22 @@ def test_lossless_sampling_with_a_draft_vocabulary_matches_the_target(exports):
     prompt = [4, 17, 9]
 
     def two_token_probs(runner, keep=None):
-        def probs(ids):
-            runner.reset(1)
-            p = torch.softmax(runner.forward(torch.tensor([ids])).logits[0, -1], -1)  # [V]
+        """P(t2, t3) with t1 marginalised out, [V * V]."""
+        def probs(contexts):  # [len(contexts), V], one batched forward
+            runner.reset(len(contexts))
+            p = torch.softmax(runner.forward(torch.tensor(contexts)).logits[:, -1].double(), -1)
             if keep is not None:
                 p = torch.where(keep, p, 0.0)
-                p = p / p.sum()
+                p = p / p.sum(-1, keepdim=True)
             return p
 
-        first = probs(prompt)
-        return torch.stack([first[t] * probs(prompt + [t]) for t in range(64)]).flatten()  # [V * V]
+        first = probs([prompt])[0]
+        law = torch.zeros(64, 64, dtype=torch.float64)
+        for t1 in range(64):
+            second = probs([prompt + [t1]])[0]
+            third = probs([prompt + [t1, t2] for t2 in range(64)])  # [t2, t3]
+            law += first[t1] * second[:, None] * third
+        return law.flatten()  # [V * V]
 
     exact = two_token_probs(target)
     outside = 1 - exact.view(64, 64)[:SUBSET, :SUBSET].sum()
@@ -136,9 +142,9 @@ def test_lossless_sampling_with_a_draft_vocabulary_matches_the_target(exports):
     counts = torch.zeros(64 * 64)
     for seed in range(n // len(prompts)):
         out = generate(target, prompts, method="sd", drafter=ModelDrafter(draft, 64), rule=Lossless(),
-                       policy=Constant(3), sampling=SamplingParams(temperature=1.0), max_new_tokens=2, seed=seed)
+                       policy=Constant(3), sampling=SamplingParams(temperature=1.0), max_new_tokens=3, seed=seed)
         for seq in out.sequences:
-            counts[seq[0] * 64 + seq[1]] += 1
+            counts[seq[1] * 64 + seq[2]] += 1
 
     def pvalue(observed, probs):
         expected = probs * n

@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
-from quickdraft.decoding.engine import generate
+from quickdraft.decoding.engine import Decoder, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.policies import Constant
 from quickdraft.verification.rules import Greedy, Lossless
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams, logits_to_probs, sample
 
-from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, exact_triples, tiny_lm, triple_counts
+from conftest import (TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, counts_after_first, exact_after_first,
+                      tiny_lm)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 
@@ -96,20 +97,21 @@ def test_ngram_sd_greedy_equals_plain_greedy_and_uses_both_drafters(tiny_target,
 
 
 def test_ngram_sd_sampling_matches_the_target(tiny_target):
-    """Lookup steps (one-hot drafts) and model steps mixed in one batch keep the target's exact
-    two-token law (the first step is a lookup for every row: the prompt ends with a repeated
-    bigram); accepting every draft instead must fail the same test."""
+    """Lookup steps (one-hot drafts) and model steps mixed in one batch keep the target's exact law
+    of the tokens after the prefill's (the first step is a lookup for every row: the prompt holds
+    every token, so the first new token always matches); accepting every draft instead must fail
+    the same test."""
     params = SamplingParams(temperature=1.0)
-    prompt = [1, 2, 3, 1, 2]
+    prompt = list(range(TINY_VOCAB)) + [1, 2]
     exact = _exact_two_token_distribution(tiny_target, prompt, params)
     n = 40_000
     target = ModelRunner(tiny_target)
 
     def run(rule):
-        drafter = NGramModelDrafter(NGramDrafter(TINY_VOCAB, max_ngram=2, min_ngram=2),
+        drafter = NGramModelDrafter(NGramDrafter(TINY_VOCAB, max_ngram=2, min_ngram=1),
                                     ModelDrafter(ModelRunner(tiny_lm(seed=7)), TINY_VOCAB), lookup_k=3)
         out = generate(target, [prompt] * n, method="ngram_sd", drafter=drafter, rule=rule, policy=Constant(3),
-                       sampling=params, max_new_tokens=2, seed=13)
+                       sampling=params, max_new_tokens=3, seed=13)
         assert drafter.lookup_steps >= 1
         return _two_token_counts(out.sequences)
 
@@ -123,25 +125,25 @@ def test_ngram_sd_sampling_matches_the_target(tiny_target):
 
 
 def test_ngram_sampling_matches_the_target(one_thread):
-    """Plain prompt lookup at T = 0.9 on a vocabulary-8 pair: the prompt ends with a repeated
-    bigram, so the first step verifies a copied (one-hot) draft of two tokens, later steps copy
-    what matches or draft nothing. 10,000 rows generate three tokens, which follow the target's
-    exact law (512 cells, chi-square p > 1e-4). Two broken rules fail the same test (p < 1e-6):
-    accepting every copied token, and recovering a rejected copy from the target instead of the
+    """Plain prompt lookup at T = 0.9 on a vocabulary-8 pair: where the prefill emits a 7 (target
+    probability 0.53), the sequence ends with a repeated bigram, so the first step verifies a copied
+    (one-hot) draft of two tokens; later steps copy what matches or draft nothing. 10,000 rows
+    generate four tokens; the three after the prefill's follow the target's exact law (512 cells,
+    chi-square p > 1e-4). Two broken rules fail the same test (p < 1e-6): accepting every copied token, and recovering a rejected copy from the target instead of the
     residual (the target with the copied token removed), the bug a one-hot draft invites."""
     v, n = 8, 10_000
     model = tiny_lm(seed=31, vocab=v, max_positions=64)
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)
     params = SamplingParams(temperature=0.9)
-    prompt = [5, 4, 7, 5, 4]  # copies 7 (target probability 0.53), then 5 (0.32 after the 7)
-    exact = exact_triples(model, prompt, params)
+    prompt = [5, 4, 7, 5, 4]  # after a first 7 (probability 0.53) it copies 5, 4
+    exact = exact_after_first(model, prompt, params, 3)
     target = ModelRunner(model)
 
     def run(rule):
         out = generate(target, [prompt] * n, method="ngram", drafter=NGramDrafter(v, max_ngram=2, min_ngram=2),
-                       rule=rule, policy=Constant(3), sampling=params, max_new_tokens=3, seed=17)
-        counts = triple_counts(out.sequences, v)
+                       rule=rule, policy=Constant(3), sampling=params, max_new_tokens=4, seed=17)
+        counts = counts_after_first(out.sequences, v, 3)
         return counts, out.batch_metrics
 
     counts, metrics = run(Lossless())
@@ -193,27 +195,60 @@ def test_eos_and_max_new_tokens_stop_rows(tiny_target, tiny_draft):
     assert all(len(s) <= 30 for s in out.sequences)
 
 
+def test_the_prefill_emits_the_first_token(tiny_target, tiny_draft):
+    """The prefill's forward gives every row its first token (at T = 0 the target's greedy token),
+    counted as a prefill token and not as a step; the first step then drafts after it, and a
+    one-token budget takes no step and no draft forward."""
+    target = ModelRunner(tiny_target)
+    plain = generate(target, PROMPTS, method="ar", max_new_tokens=12)
+    assert plain.batch_metrics.steps == 3 * 11 and plain.batch_metrics.prefill_tokens == 3
+    assert plain.batch_metrics.emitted_tokens == 3 * 11 and plain.batch_metrics.new_tokens == 3 * 12
+    drafter = ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB)
+    decoder = Decoder(target, PROMPTS, method="sd", drafter=drafter, max_new_tokens=12)
+    assert decoder.new_ids == [s[:1] for s in plain.sequences]
+    assert target.num_forwards == 1 and drafter.runner.num_forwards == 1  # one prefill each
+    assert all(m.prefill_tokens == 1 and m.steps == 0 and m.target_forwards == 1 for m in decoder.metrics)
+    decoder.step()
+    assert all(m.steps == 1 and m.drafted_tokens == 4 for m in decoder.metrics)
+    assert all(s == p[: len(s)] and len(s) >= 2 for s, p in zip(decoder.new_ids, plain.sequences))
+    one = generate(target, PROMPTS, method="sd", drafter=drafter, max_new_tokens=1)
+    assert one.sequences == [s[:1] for s in plain.sequences]
+    assert one.batch_metrics.steps == 0 and one.batch_metrics.draft_forwards == 0
+    assert one.batch_metrics.target_forwards == 1 and one.batch_metrics.tokens_per_second == 0.0
+
+
+def test_a_row_whose_first_token_is_eos_ends_at_the_prefill(tiny_target, tiny_draft):
+    """A row whose prefill emits EOS (or a stop) is done before the first step; the others run on
+    and match plain decoding with the same EOS."""
+    target = ModelRunner(tiny_target)
+    eos = generate(target, PROMPTS, method="ar", max_new_tokens=1).sequences[1][0]
+    plain = generate(target, PROMPTS, method="ar", max_new_tokens=20, eos_token_ids={eos})
+    drafter = ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB)
+    out = generate(target, PROMPTS, method="sd", drafter=drafter, max_new_tokens=20, eos_token_ids={eos})
+    assert out.sequences == plain.sequences and out.sequences[1] == [eos]
+    assert out.finish_reasons[1] == "eos" and out.metrics[1].steps == 0 and out.metrics[1].prefill_tokens == 1
+    assert out.metrics[0].steps > 0
+    stopped = generate(target, PROMPTS, method="sd", drafter=drafter, max_new_tokens=20,
+                       stop=lambda row, ids: 0 if row == 2 else None)
+    assert stopped.sequences[2] == [] and stopped.finish_reasons[2] == "stop" and stopped.metrics[2].steps == 0
+
+
 def _exact_two_token_distribution(model, prompt, params):
-    """P(t1, t2 | prompt) of the target under ``params``, as a [V, V] array."""
-    with torch.no_grad():
-        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params)
-        batch = torch.tensor([prompt + [t] for t in range(TINY_VOCAB)])
-        second = logits_to_probs(model(batch).logits[:, -1], params)
-    return (first.unsqueeze(1) * second).numpy()
+    """P(t2, t3 | prompt) of the target under ``params``, as a [V, V] array: the law of the two
+    tokens after the first, which the prefill emits (the steps emit these)."""
+    return exact_after_first(model, prompt, params, 2)
 
 
 def _two_token_counts(sequences):
-    counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
-    for s in sequences:
-        counts[s[0], s[1]] += 1
-    return counts
+    return counts_after_first(sequences, TINY_VOCAB, 2)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=10, top_p=0.9)])
 def test_speculative_sampling_end_to_end_matches_the_target(tiny_target, params):
-    """40,000 two-token continuations drawn through the whole engine in one batch (K = 3, which the
-    two-token budget cuts to one draft token and, after a rejection, a plain step; a draft that
-    disagrees often) follow the target's exact joint distribution; the same test on
+    """40,000 three-token continuations drawn through the whole engine in one batch (the prefill
+    emits the first token; K = 3, which the budget left cuts to one draft token and, after a
+    rejection, a plain step; a draft that disagrees often): their second and third tokens follow
+    the target's exact joint distribution; the same test on
     deliberately broken rules (accept every draft; at T < 1, verify against the raw target) must
     fail. (The rule-level goodness-of-fit tests
     with >= 100,000 samples are in test_rules.py; this one checks the engine's plumbing: drafts
@@ -225,7 +260,7 @@ def test_speculative_sampling_end_to_end_matches_the_target(tiny_target, params)
     target = ModelRunner(tiny_target)
     drafter = ModelDrafter(ModelRunner(draft_model), TINY_VOCAB)
     out = generate(target, [prompt] * n, method="sd", drafter=drafter, rule=Lossless(), policy=Constant(3),
-                   sampling=params, max_new_tokens=2, seed=11)
+                   sampling=params, max_new_tokens=3, seed=11)
     p_value = _chi_square_pvalue(_two_token_counts(out.sequences), exact)
     assert p_value > 1e-4
 
@@ -234,13 +269,13 @@ def test_speculative_sampling_end_to_end_matches_the_target(tiny_target, params)
             return torch.ones_like(draft_ids, dtype=torch.bool), None
 
     bad = generate(target, [prompt] * n, method="sd", drafter=drafter, rule=AcceptAll(), policy=Constant(3),
-                   sampling=params, max_new_tokens=2, seed=11)
+                   sampling=params, max_new_tokens=3, seed=11)
     assert _chi_square_pvalue(_two_token_counts(bad.sequences), exact) < 1e-6
     if params.temperature != 1.0:
         # the realistic bug: verification against the raw (temperature-1, untruncated) target while
         # the draft samples the processed distribution; fails on a quarter of the samples
         wrong = generate(target, [prompt] * (n // 4), method="sd", drafter=drafter, rule=VerifiesRawTarget(),
-                         policy=Constant(3), sampling=params, max_new_tokens=2, seed=11)
+                         policy=Constant(3), sampling=params, max_new_tokens=3, seed=11)
         assert _chi_square_pvalue(_two_token_counts(wrong.sequences), exact) < 1e-6
 
 
@@ -327,11 +362,11 @@ def test_draft_length_is_capped_by_the_tokens_left(tiny_target, tiny_draft):
 
 def test_lookup_drafts_are_capped_by_the_tokens_left(tiny_target, tiny_draft):
     target = ModelRunner(tiny_target)
-    prompt = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7]]  # the lookup copies 8, 9, 10, 11, 5, ...
-    plain = generate(target, prompt, method="ar", max_new_tokens=3)
-    drafter = NGramModelDrafter(NGramDrafter(TINY_VOCAB, 4, 2), ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB),
+    prompt = [list(range(TINY_VOCAB)) + [5, 6, 7]]  # the first new token t is in it: the lookup copies t+1, t+2, …
+    plain = generate(target, prompt, method="ar", max_new_tokens=4)
+    drafter = NGramModelDrafter(NGramDrafter(TINY_VOCAB, 4, 1), ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB),
                                 lookup_k=8)
-    out = generate(target, prompt, method="ngram_sd", drafter=drafter, max_new_tokens=3)
+    out = generate(target, prompt, method="ngram_sd", drafter=drafter, max_new_tokens=4)
     assert out.sequences == plain.sequences
     assert drafter.lookup_steps >= 1 and out.batch_metrics.drafted_tokens <= 2 * out.batch_metrics.steps
 

@@ -127,9 +127,10 @@ def test_fsd_threshold_limits_and_fuzzy_fraction_end_to_end(soft_target, tiny_dr
     assert zero.sequences == ar.sequences
     assert zero.batch_metrics.accepted_tokens == 0 and zero.batch_metrics.lossy_share == 0
     # T = inf accepts every draft; every accepted token is a fuzzy acceptance: share K / (K + 1)
+    # (21 tokens: the prefill's, then five steps of K + 1)
     k = 3
     inf = generate(target, PROMPTS, method="sd", drafter=_drafter(tiny_draft), rule=Fuzzy(threshold=math.inf),
-                   policy=Constant(k), sampling=params, max_new_tokens=20, seed=3)
+                   policy=Constant(k), sampling=params, max_new_tokens=21, seed=3)
     for m in inf.metrics:
         assert m.accepted_tokens == m.drafted_tokens == k * m.steps
         assert m.lossy_accepted_tokens == m.accepted_tokens

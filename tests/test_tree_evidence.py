@@ -43,7 +43,8 @@ from quickdraft.verification.sampling import SamplingParams, logits_to_probs
 from quickdraft.decoding.tree import TokenTree, TreeConfig, build_tree
 from quickdraft.decoding.tree_decoding import generate_tree
 
-from conftest import chi_square_pvalue, exact_triples, perturbed_copy, tiny_lm, tree_pair_counts
+from conftest import (chi_square_pvalue, counts_after_first, exact_after_first, exact_law, perturbed_copy, tiny_lm,
+                      tree_pair_counts)
 
 V = 8
 N = 100_000
@@ -174,12 +175,15 @@ def small_pair():
     return target, perturbed_copy(target, scale=0.5, seed=12)
 
 
-def _lost_second_token_triples(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
-    """The law a compaction bug that loses the second token's KV slot would give:
-    ``p(t1) p(t2 | t1) p(t3 | t1)``, ``[V, V, V]`` (power check of the whole-loop test)."""
-    with torch.no_grad():
-        p3 = logits_to_probs(model(torch.tensor([prompt + [a] for a in range(V)])).logits[:, -1], params).double()
-    return exact_triples(model, prompt, params).sum(axis=2, keepdims=True) * p3.numpy()[:, None, :]
+def _lost_kv_law(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """The law of new tokens 2 … 4 that a compaction bug losing the KV slot of a step's second
+    token would give: the first step after the prefill emits ``t2``, ``t3``, ``t4`` and draws ``t4``
+    from ``p(t4 | t1, t2)``, ``[V, V, V]`` with ``t1`` marginalised out (power check of the
+    whole-loop tests)."""
+    law3 = exact_law(model, prompt, params, 3)  # [t1, t2, t3]
+    mass = law3.sum(axis=2, keepdims=True)
+    cond = np.divide(law3, mass, out=np.zeros_like(law3), where=mass > 0)  # p(next | t1, t2)
+    return (law3[..., None] * cond[:, :, None, :]).sum(axis=0)
 
 
 @pytest.mark.parametrize("scheme, verifier, params", [
@@ -193,42 +197,39 @@ def test_generate_tree_three_token_law(small_pair, scheme, verifier, params):
     out = generate_tree(
         ModelRunner(target), ModelRunner(draft), [prompt] * N_LOOP,
         config=TreeConfig(depth=2, topk=3, budget=6, scheme=scheme), verifier=verifier,
-        sampling=params, max_new_tokens=3, seed=3,
+        sampling=params, max_new_tokens=4, seed=3,
     )
-    seqs = np.array(out.sequences)
-    assert seqs.shape == (N_LOOP, 3)
+    assert np.array(out.sequences).shape == (N_LOOP, 4)
     assert out.batch_metrics.accepted_tokens > N_LOOP // 4  # the walk does go down the trees
-    counts = np.zeros((V, V, V))
-    np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
-    pvalue = chi_square_pvalue(counts, exact_triples(target, prompt, params))
+    counts = counts_after_first(out.sequences, V, 3)  # the tokens after the prefill's
+    pvalue = chi_square_pvalue(counts, exact_after_first(target, prompt, params, 3))
     assert pvalue > P_PASS, f"{scheme}/{verifier}: chi-square p = {pvalue:.2e}"
-    # negative control: the same counts reject the law of a loop that lost the second token's KV
-    assert chi_square_pvalue(counts, _lost_second_token_triples(target, prompt, params)) < P_FAIL
+    # negative control: the same counts reject the law of a loop that lost a step's second token's KV
+    assert chi_square_pvalue(counts, _lost_kv_law(target, prompt, params)) < P_FAIL
 
 
 @pytest.mark.parametrize("scheme, verifier", [("without_replacement", "rrs"), ("with_replacement", "kseq")])
 def test_generate_tree_depth3_sampled_trees_three_token_law(small_pair, scheme, verifier):
-    """Sampled depth-3 trees (children drawn from the draft, every drawn child kept): with four
-    tokens to generate the first step keeps its full depth, so a row can emit its first three
-    tokens from one walk three nodes deep. The triples follow the target's exact law; the same
-    counts reject the law of a loop that lost the second token's KV slot."""
+    """Sampled depth-3 trees (children drawn from the draft, every drawn child kept): with five
+    tokens to generate (the first from the prefill) the first step keeps its full depth, so a row
+    can emit its next three tokens from one walk three nodes deep. Those triples follow the
+    target's exact law; the same counts reject the law of a loop that lost a step's second token's
+    KV slot."""
     target, draft = small_pair
     prompt, n = [1, 2, 3], 15_000
     params = SamplingParams(temperature=1.0)
     out = generate_tree(
         ModelRunner(target), ModelRunner(draft), [prompt] * n,
         config=TreeConfig(depth=3, topk=2, budget=8, scheme=scheme), verifier=verifier,
-        sampling=params, max_new_tokens=4, seed=4,
+        sampling=params, max_new_tokens=5, seed=4,
     )
-    seqs = np.array([s[:3] for s in out.sequences])
-    # the walks do reach depth 3: rows that emitted all four tokens in their first step
+    # the walks do reach depth 3: rows that emitted all four tokens after the prefill's in one step
     deep = sum(m.steps == 1 and m.accepted_tokens == 3 for m in out.metrics)
     assert deep > n // 20, deep
-    counts = np.zeros((V, V, V))
-    np.add.at(counts, (seqs[:, 0], seqs[:, 1], seqs[:, 2]), 1)
-    pvalue = chi_square_pvalue(counts, exact_triples(target, prompt, params))
+    counts = counts_after_first(out.sequences, V, 3)
+    pvalue = chi_square_pvalue(counts, exact_after_first(target, prompt, params, 3))
     assert pvalue > P_PASS, f"{scheme}/{verifier} depth 3: chi-square p = {pvalue:.2e}"
-    assert chi_square_pvalue(counts, _lost_second_token_triples(target, prompt, params)) < P_FAIL
+    assert chi_square_pvalue(counts, _lost_kv_law(target, prompt, params)) < P_FAIL
 
 
 # ---------------------------------------------------------------------------------------------

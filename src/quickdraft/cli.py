@@ -363,8 +363,8 @@ def _print_metrics(completion) -> None:
     typer.echo("")
     m = completion.metrics
     typer.echo(
-        f"\n--- {m.new_tokens} new tokens in {m.decode_seconds:.2f} s = {m.tokens_per_second:.2f} tok/s "
-        f"(prefill {m.prefill_seconds:.2f} s, {m.prompt_tokens} prompt tokens)\n"
+        f"\n--- {m.new_tokens} new tokens: {m.prefill_tokens} from the prefill ({m.prefill_seconds:.2f} s, "
+        f"{m.prompt_tokens} prompt tokens), then {m.tokens_per_second:.2f} tok/s for {m.decode_seconds:.2f} s\n"
         f"    target forwards {m.target_forwards}, draft forwards {m.draft_forwards}, "
         f"mean acceptance length {m.mean_acceptance_length:.2f} (incl. bonus), "
         f"acceptance rate {m.acceptance_rate:.1%}, finish: {completion.finish_reason}"

@@ -14,6 +14,13 @@ One step, for every row of the batch at once (the verbs of :mod:`quickdraft.deco
 Plain decoding is the same step with K = 0: ``verify_chain`` then only emits the bonus token, so
 every rule (greedy, sampling, exponential race) also defines its own plain decoding.
 
+The prefill reads every prompt token, and the logits after the last one give each row its first
+new token, drawn by the rule as such a plain step; the draft side then reads the prompt, and the
+first step already drafts after that token (the runtimes' own loops do the same, and it streams the
+first token one speculative step sooner). Contrastive decoding scores against the amateur's
+distributions, so there the first step emits the first token after a prefill of all but the last
+prompt token.
+
 :class:`Decoder` holds a batch's state and runs one step per :meth:`Decoder.step`; :func:`generate`
 steps a fixed batch to the end, and the server's scheduler (continuous batching) adds and removes
 rows between steps.
@@ -268,16 +275,18 @@ def _shrink(runner, rows: list[int]) -> None:
         runner.remove_rows(rows)
 
 
-def _prefill(runner, sequences: list[list[int]], first_new: int) -> bool:
-    """Feed rows ``first_new ..`` every token but their last; earlier rows are padding. Returns
-    whether a forward ran."""
+def _prefill(runner, sequences: list[list[int]], first_new: int, whole: bool = False) -> torch.Tensor | bool:
+    """Feed rows ``first_new ..`` every token but their last (``whole``: every token); earlier rows
+    are padding. Returns the logits after each row's last fed token ``[B, 1, V']`` when ``whole``,
+    else whether a forward ran."""
     lengths = runner.lengths.tolist()
-    prefix = [s[: int(n)] for s, n in zip(sequences[:first_new], lengths)] + [s[:-1] for s in sequences[first_new:]]
+    prefix = [s[: int(n)] for s, n in zip(sequences[:first_new], lengths)] + [
+        s if whole else s[:-1] for s in sequences[first_new:]]
     if max(len(p) - int(n) for p, n in zip(prefix, lengths)) <= 0:
         return False
     ids, valid = pending_block(prefix, runner.lengths)
-    runner.forward(ids, valid, logits_to_keep=1)
-    return True
+    out = runner.forward(ids, valid, logits_to_keep=1)
+    return out.logits if whole else True
 
 
 class Decoder:
@@ -359,14 +368,15 @@ class Decoder:
         self._next_row_id = b
         self.draft_forwards = 0
 
-        # -- prefill: everything but each prompt's last token ----------------------------------
+        # -- prefill: the target reads each prompt and gives its first token, then the draft side ---
+        # (the contrastive rule scores against the amateur, which has not read the prompt yet: its
+        # first token comes from the first step, after a prefill of every prompt token but the last)
+        self.first_from_prefill = not isinstance(self.rule, Contrastive)
         target.reset(b)
         target.num_forwards = 0
         self.proposer.start(self.sequences)
-        if b and _prefill(target, self.sequences, 0):
-            for m in self.metrics:
-                m.target_forwards += 1
         if b:
+            self._prefill_target(0)
             self.proposer.prefill(self.sequences)
 
     # -- rows ------------------------------------------------------------------------------------
@@ -414,9 +424,7 @@ class Decoder:
             for runner in runners:
                 _grow(runner, n)
                 grown.append(runner)
-            if _prefill(self.target, self.sequences, first):
-                for m in self.metrics[first:]:
-                    m.target_forwards += 1
+            self._prefill_target(first)
             for runner in runners[1:]:
                 _prefill(runner, self.sequences, first)
         except Exception:
@@ -426,6 +434,32 @@ class Decoder:
                     _shrink(runner, rows)
             self._drop(rows)
             raise
+
+    def _prefill_target(self, first: int) -> None:
+        """Prefill rows ``first ..`` of the target; unless the rule is contrastive, emit each row's
+        first token from the prefill's last logits, drawn by the rule as a plain step (a step with no
+        draft: the rule's own plain decoding, so the output distribution is the same), counted as a
+        prefill token rather than a step."""
+        logits = _prefill(self.target, self.sequences, first, whole=self.first_from_prefill)
+        if logits is not False:
+            for m in self.metrics[first:]:
+                m.target_forwards += 1
+        if not self.first_from_prefill:
+            return
+        rows = range(first, self.batch_size)
+        gen_device = self.generator.device
+        prompts = self.sequences[first:]
+        active = self.active[first:].to(gen_device)
+        ctx = VerifyContext(generator=self.generator,
+                            positions=torch.tensor([len(s) for s in prompts], dtype=torch.long, device=gen_device),
+                            extra={"row_ids": self.row_ids[first:].to(gen_device)})
+        plain = ChainProposer(None, Constant(1), self.rule, self.sampling, self.vocab)
+        walk = plain.propose(prompts, active, 0, ctx).verify(logits[first:].to(gen_device), ctx, active)
+        for row, token in zip(rows, walk.output_ids[:, 0].tolist()):
+            self.metrics[row].prefill_tokens = 1
+            if not append_emitted(row, [token], self.new_ids, self.sequences, self.finish, self.max_new_tokens[row],
+                                  self.eos_ids, self.stop, self.on_tokens):
+                self.active[row] = False
 
     def _drop(self, rows: list[int]) -> None:
         gone = set(rows)

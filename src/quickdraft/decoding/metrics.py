@@ -2,8 +2,9 @@
 
 Terms follow :mod:`quickdraft.verification.verify`: a *step* is one verifying target forward; it emits the
 accepted draft tokens plus one recovered-or-bonus token, so the *mean acceptance length*
-(``emitted_tokens / steps``) counts the bonus token and equals new tokens per target forward
-(before truncation at EOS, a stop string or ``max_new_tokens``).
+(``emitted_tokens / steps``) counts the bonus token and equals new tokens per verifying target
+forward (before truncation at EOS, a stop string or ``max_new_tokens``). The first new token comes
+from the prefill's forward (``prefill_tokens``), not from a step, as in the runtimes' own loops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class GenerationMetrics:
     ----------
     prompt_tokens: tokens in the prompt (after the chat template).
     new_tokens: tokens generated and kept.
+    prefill_tokens: new tokens emitted by the prefill's forward (the first token; 0 where the first
+        step emits it, as in contrastive decoding).
     steps: verification steps (target forwards after prefill) in which the sequence took part.
     target_forwards: target forwards including prefill.
     draft_forwards: draft-model forwards (0 for model-free drafters).
@@ -35,6 +38,7 @@ class GenerationMetrics:
 
     prompt_tokens: int = 0
     new_tokens: int = 0
+    prefill_tokens: int = 0
     steps: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -88,8 +92,10 @@ class GenerationMetrics:
 
     @property
     def tokens_per_second(self) -> float:
-        """New tokens per second of decoding (model load and prefill excluded)."""
-        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """New tokens after the prefill's per second of decoding (model load, prefill and the
+        prefill's token excluded)."""
+        decoded = max(0, self.new_tokens - self.prefill_tokens)
+        return decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -108,7 +114,7 @@ class GenerationMetrics:
         total = GenerationMetrics()
         for m in items:
             for name in (
-                "prompt_tokens", "new_tokens", "steps", "target_forwards", "draft_forwards", "drafted_tokens",
+                "prompt_tokens", "new_tokens", "prefill_tokens", "steps", "target_forwards", "draft_forwards", "drafted_tokens",
                 "accepted_tokens", "lossy_accepted_tokens", "emitted_tokens", "prefill_seconds", "decode_seconds",
             ):
                 setattr(total, name, getattr(total, name) + getattr(m, name))

@@ -13,7 +13,8 @@ Rows are per (temperature, method) over the *complete cases*: the prompts that e
 that temperature finished, so all rows of a table share the same prompts.
 
 ``decode_tps``
-    Σ new tokens / Σ decode seconds (prefill excluded); engine methods only.
+    Σ decoded tokens / Σ decode seconds: the prefill, and the first token it emits
+    (``metrics.prefill_tokens``), excluded; engine methods only.
 ``e2e_tps``
     Σ new tokens / Σ (prefill + decode) seconds; the only rate anchors expose, so it is the column
     that compares quickdraft with other tools.
@@ -149,7 +150,9 @@ def summarize(records: list[dict[str, Any]], baseline: str | None = None, method
                 "prompts": len(sel), "new_tokens": int(new_tokens),
             }
             decode = [r.get("decode_seconds") for r in sel]
-            row["decode_tps"] = _ratio(new_tokens, _sum(decode)) if all(d is not None for d in decode) else None
+            decoded = new_tokens - _sum(max(0, min(r["new_tokens"], (r.get("metrics") or {}).get("prefill_tokens", 0)))
+                                        for r in sel)
+            row["decode_tps"] = _ratio(decoded, _sum(decode)) if all(d is not None for d in decode) else None
             row["e2e_tps"] = _ratio(new_tokens, _sum(r["seconds"] for r in sel))
             metrics = [r.get("metrics") for r in sel]
             if all(mm is not None for mm in metrics):

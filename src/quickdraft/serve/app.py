@@ -204,7 +204,7 @@ def quickdraft_field(job: Job) -> dict:
         "prefill_seconds": job.prefill_seconds,
         "decode_seconds": m.decode_seconds,
         "time_to_first_token_seconds": (job.first_token_at - t0) if job.first_token_at else None,
-        "tokens_per_second": job.completion_tokens / m.decode_seconds if m.decode_seconds > 0 else 0.0,
+        "tokens_per_second": m.tokens_per_second,
         "choices": per_choice,
     }
 

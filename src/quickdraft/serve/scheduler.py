@@ -12,7 +12,9 @@ request with a ``seed`` at temperature > 0 gets a batch of its own, so that its 
 so its text, are those of the same request served alone.
 
 A row leaves its batch when it finishes (EOS, a stop string, ``max_tokens``) or when its client
-goes away (:meth:`Scheduler.cancel`); its KV-cache rows are freed at once. An exception inside a
+goes away (:meth:`Scheduler.cancel`); its KV-cache rows are freed at once (a seeded request's own
+batch frees its rows when the last one finishes, which keeps its draws those of the request served
+alone). An exception inside a
 step fails the requests of that batch only; the other batches go on.
 
 On the torch backend every batch has KV caches of its own over the shared weights. Other backends
@@ -371,6 +373,8 @@ class Scheduler:
         for job in jobs:
             job.admitted_at = now
             job.prefill_seconds = now - t0
+        self._collect(batch, range(rows_before, len(batch.rows)), now)  # the prefill's first tokens
+        for job in jobs:
             self.metrics.prompt_tokens.inc(job.prompt_tokens)
             log.info("request admitted", extra={"fields": {
                 "request_id": job.id, "rows": job.rows, "prompt_tokens": job.prompt_tokens,
@@ -388,9 +392,17 @@ class Scheduler:
                 self._fail(job, f"generation failed: {err}")
             batch.rows.clear()
             return
-        now = time.monotonic()
+        self._collect(batch, range(len(batch.rows)), time.monotonic())
+
+    def _collect(self, batch: _Batch, rows: range, now: float) -> None:
+        """Take the new tokens of ``rows`` (after a step, or a prefill that emitted their first
+        tokens): stream them and finish the rows that stopped."""
+        decoder = batch.decoder
         active = decoder.active.tolist()
-        for row, (job, choice) in enumerate(batch.rows):
+        for row in rows:
+            job, choice = batch.rows[row]
+            if choice.finish_reason is not None:  # finished at its prefill, retired after this step
+                continue
             ids = decoder.new_ids[row]
             gained = len(ids) - len(choice.token_ids)
             if gained > 0 and job.first_token_at is None:
@@ -447,8 +459,13 @@ class Scheduler:
                 "request_ids": sorted({j.id for j, _ in batch.rows if j.cancelled}), "reason": "cancelled"}})
 
     def _retire(self, batch: _Batch) -> None:
-        """Remove the finished and cancelled rows; drop the batch once it is empty."""
+        """Remove the finished and cancelled rows; drop the batch once it is empty. A seeded
+        request's own batch keeps its finished rows (inactive) until all are done: every step draws
+        its random numbers for the whole batch, so removing a row would change the others' draws,
+        and the text would no longer be that of the request served alone."""
         gone = [r for r, (_, c) in enumerate(batch.rows) if c.finish_reason is not None]
+        if batch.key.owner is not None and len(gone) < len(batch.rows):
+            return
         if gone and len(gone) < len(batch.rows):
             batch.decoder.remove_rows(gone)
             batch.decoder.compact()

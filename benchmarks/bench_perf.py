@@ -25,6 +25,8 @@ Rows (``--configs``; each ``<backend>-<weights>-<method>``):
   ``phrase_sd`` / ``phrase_sdN``: the draft model's drafts extended from a phrase pool (Ouroboros);
   ``amusd`` / ``amusdN``: the draft model drafts the next block while the target verifies
   (:mod:`quickdraft.decoding.amusd`); its rows give ``x_<sd config>`` for every sd config of the same weights
+* a config ending in ``:cost`` (``llamacpp-ngram8:cost``): the :class:`CostAware` policy, at most N (or
+  ``--k``) tokens, the length (0: a plain step) that pays most under the backend's measured forward costs
 * openvino weights ending in ``:split`` (e.g. ``openvino-int8/int4v49152:split-amusd``): models of their own,
   compiled with one share of the cores each (:func:`quickdraft.decoding.amusd.split_threads`) instead of all of
   them; every row records each model's inference seconds and calls (``target_infer_seconds`` …)
@@ -87,8 +89,9 @@ def openvino_weights(label: str) -> tuple[str, int | None]:
 
 
 def parse_config(config: str) -> tuple[str, str, int | None]:
-    """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8)."""
-    key, method = config.rsplit("-", 1)
+    """``"torch-fp32/int4-sd8"`` -> (pipeline key ``"torch-fp32/int4"``, method ``"sd"``, K 8); a
+    trailing ``:cost`` (``"llamacpp-ngram8:cost"``) names the policy (:data:`COST`), not the method."""
+    key, method = config.removesuffix(COST).rsplit("-", 1)
     m = re.fullmatch(r"(ar|sd|ngram_sd|ngram|phrase_sd|amusd)(c?)(\d*)|anchor", method)
     if m is None or (m.group(1) == "amusd" and m.group(2)):
         raise SystemExit(f"unknown method in config {config!r}: ar, sd, sdN, sdcN, ngram, ngramN, ngram_sd, ngram_sdN, "
@@ -98,6 +101,8 @@ def parse_config(config: str) -> tuple[str, str, int | None]:
     return key, m.group(1) + m.group(2), int(m.group(3)) if m.group(3) else None
 
 
+#: suffix of a config whose chain drafts the length the CostAware policy picks (``llamacpp-sd8:cost``)
+COST = ":cost"
 #: suffix of openvino weights whose models split the cores between them (amusd runs both at once)
 SPLIT = ":split"
 #: suffix of ovgenai weights whose pipelines compile with our runner's plugin settings
@@ -105,11 +110,14 @@ SPLIT = ":split"
 TUNED = ":tuned"
 
 
-def policy_of(method: str, k: int, p_min: float):
+def policy_of(method: str, k: int, p_min: float, cost: bool = False):
     """The draft-length policy of a parsed method: a trailing ``c`` is :class:`Confidence` (at most
-    ``k`` tokens, stop below ``p_min``), otherwise :class:`Constant` ``k``."""
-    from quickdraft.decoding.policies import Confidence
+    ``k`` tokens, stop below ``p_min``), a config ending in ``:cost`` :class:`CostAware` (at most
+    ``k``; the pipeline measures its forward costs once, in the warm-up), otherwise :class:`Constant` ``k``."""
+    from quickdraft.decoding.policies import Confidence, CostAware
 
+    if cost:
+        return CostAware(max_k=k)
     return Confidence(max_k=k, p_min=p_min) if method.endswith("c") else Constant(k)
 
 
@@ -368,7 +376,7 @@ def run(args: argparse.Namespace) -> dict:
         calls = {r.name: [] for r in runners}  # each model's inference calls, in ms, prefill first
         for r in runners:
             r._infer = _timed(r._infer, calls[r.name])
-        policy = policy_of(method, k or args.k, args.p_min)
+        policy = policy_of(method, k or args.k, args.p_min, cost=config.endswith(COST))
         method = method.removesuffix("c")
         try:
             out = pipe.generate([""], prompt_ids=[ids], method=method, policy=policy, sampling=sampling,
@@ -388,7 +396,7 @@ def run(args: argparse.Namespace) -> dict:
             for name, ms in calls.items():  # each model's inference calls: the first is its prefill
                 extra[f"{name}_infer_ms"] = [round(x, 2) for x in ms]
         return {**extra,
-            "new_tokens": m.new_tokens, "seconds": m.prefill_seconds + m.decode_seconds,
+            "new_tokens": m.new_tokens, "prefill_tokens": m.prefill_tokens, "seconds": m.prefill_seconds + m.decode_seconds,
             "decode_seconds": m.decode_seconds, "mean_acceptance_length": m.mean_acceptance_length,
             "target_forwards": m.target_forwards, "draft_forwards": m.draft_forwards,
             "steps_verified": m.steps, "drafted_tokens": m.drafted_tokens, "accepted_tokens": m.accepted_tokens,
@@ -491,8 +499,9 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                 if ar in configs:
                     entry["x_own_ar"] = entry["tokens_per_second"] / tps(ar)
                 if all("target_forwards" in r for r in sel):
-                    entry["mean_acceptance_length"] = (
-                        sum(r["new_tokens"] for r in sel) / sum(max(1, r["target_forwards"] - 1) for r in sel)
+                    entry["mean_acceptance_length"] = (  # tokens per verifying step (the prefill's first excluded)
+                        sum(r["new_tokens"] - r.get("prefill_tokens", 0) for r in sel)
+                        / sum(max(1, r["target_forwards"] - 1) for r in sel)
                     )
                 if temperature == 0.0 and ar in configs:
                     own = {r["prompt"]: r["new_ids"] for r in rows_t if r["config"] == ar}

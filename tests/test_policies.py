@@ -13,13 +13,17 @@ from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.head import AcceptanceHead
 from quickdraft.methods import build_policy
+from quickdraft.backends.costs import StepCosts
 from quickdraft.decoding.policies import (
     Confidence,
     Constant,
+    CostAware,
     Heuristic,
     Policy,
     SpecDecPP,
     batch_stop,
+    best_draft_length,
+    expected_tokens,
     heuristic_next_k,
     rejection_risk,
 )
@@ -269,6 +273,8 @@ class Recording(Policy):
     def __init__(self, inner: Policy) -> None:
         self.inner = inner
         self.needs_hidden = inner.needs_hidden
+        self.may_skip = getattr(inner, "may_skip", False)
+        self.never_drafts = getattr(inner, "never_drafts", False)
         self.lengths: list[int] = []
         self.stops = 0  # steps the wrapped policy ended by answering keep_drafting with False
         self._n = 0
@@ -345,6 +351,9 @@ ADAPTIVE = [
     ("confidence", lambda: Confidence(p_min=0.42, max_k=3, batch_rule="mean")),
     ("specdecpp", lambda: SpecDecPP(random_head(3), threshold=0.5, min_k=1, max_k=3)),
     ("specdecpp-drawing", lambda: SpecDecPP(drawing(random_head(3)), threshold=0.5, min_k=1, max_k=3)),
+    # verification a token dearer per drafted token: 3 tokens at a confident start, fewer (or a plain
+    # step) once the measured acceptance says so
+    ("cost", lambda: CostAware(max_k=3, costs=StepCosts((1, 2, 3, 4), (1.0, 1.5, 2.0, 2.5)), prior=0.9)),
 ]
 
 
@@ -391,10 +400,122 @@ def test_sampling_with_an_adaptive_policy_matches_the_target(small_pair, name):
 
     counts, lengths, stops, steps = run(ModelDrafter)
     assert len(set(lengths)) > 1, lengths  # the policy varied the draft length
-    if name != "heuristic":  # (the heuristic varies it between steps, the others within a step)
+    if name not in ("heuristic", "cost"):  # (those two vary it between steps, the others within a step)
         assert stops > 0, lengths
     assert len(steps) > 1, steps  # rows finished at different steps
     assert chi_square_pvalue(counts, exact) > 1e-4
     if name == "specdecpp":
         bad, *_ = run(MisreportingDrafter)
         assert chi_square_pvalue(bad, exact) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# the cost-aware policy
+# ---------------------------------------------------------------------------------------------
+
+#: a memory-bound target (verifying 9 tokens costs 1.1 of one) and a compute-bound one (llama.cpp
+#: on two AVX2 cores: 5 tokens cost 3.7, a draft token 0.3 of a target token)
+FLAT = StepCosts((1, 9), (1.0, 1.1), draft_seconds=0.1)
+STEEP = StepCosts((1, 2, 5, 9), (1.0, 1.7, 3.7, 6.6), draft_seconds=0.3)
+
+
+def test_expected_tokens_is_the_mean_of_a_simulated_step():
+    """``expected_tokens(α, k)`` against 200,000 simulated steps: accept each of ``k`` tokens with
+    probability ``α`` until the first rejection, then one recovered or bonus token."""
+    rng = np.random.default_rng(0)
+    for alpha, k in ((0.3, 1), (0.7, 4), (0.9, 8), (1.0, 3)):
+        accepted = (rng.random((200_000, k)) < alpha).cumprod(axis=1).sum(axis=1)
+        assert expected_tokens(alpha, k) == pytest.approx(accepted.mean() + 1, abs=0.02)
+        assert expected_tokens(alpha, k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1)
+
+
+def test_best_draft_length_maximises_tokens_per_second():
+    """Against a brute force over every length, for random non-decreasing cost curves; on a flat
+    curve the length grows with the acceptance rate, on the steep one no draft ever pays."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        blocks = (1, 2, 4, 9)
+        verify = tuple(np.cumsum(rng.uniform(0.05, 1.0, size=4)))
+        costs = StepCosts(blocks, verify, draft_seconds=float(rng.uniform(0, 0.5)))
+        alpha, max_k = float(rng.uniform(0.01, 0.99)), int(rng.integers(1, 9))
+        rates = [expected_tokens(alpha, k) / costs.step(k) for k in range(max_k + 1)]
+        k = best_draft_length(alpha, costs, max_k)
+        assert rates[k] == pytest.approx(max(rates))
+    lengths = [best_draft_length(a, FLAT, 8) for a in (0.1, 0.3, 0.5, 0.7, 0.9, 0.97)]
+    assert lengths == sorted(lengths) and lengths[0] <= 1 and lengths[-1] == 8
+    assert all(best_draft_length(a, STEEP, 8) == 0 for a in (0.5, 0.9, 0.95))
+    assert best_draft_length(0.9, STEEP.without_draft(), 8) > 0  # free drafts (prompt lookup) can pay
+
+
+def test_step_costs_interpolate_and_refuse_bad_curves():
+    costs = StepCosts((1, 2, 5), (1.0, 1.7, 3.7))
+    assert costs.verify(1) == 1.0 and costs.verify(3) == pytest.approx(1.7 + 2.0 / 3)
+    assert costs.verify(9) == pytest.approx(3.7 + 4 * 2.0 / 3)  # extrapolated from the last two blocks
+    assert costs.step(0) == 1.0 and StepCosts((1, 2), (1.0, 1.2), 0.5).step(2) == pytest.approx(2.4)
+    for blocks, secs in (((1,), (1.0,)), ((2, 3), (1.0, 2.0)), ((1, 3, 2), (1.0, 2.0, 3.0)), ((1, 2), (1.0, 0.0))):
+        with pytest.raises(QuickdraftError):
+            StepCosts(blocks, secs)
+
+
+def test_cost_aware_estimates_the_acceptance_rate_and_probes():
+    """Fed steps of 64 rows with geometric acceptance at rate 0.7, the estimate settles near 0.7;
+    on a target where drafts pay only above 0.72 it then makes plain steps, with a one-token probe
+    after every ``probe_every`` of them; where no draft could pay, it never drafts."""
+    rng = np.random.default_rng(2)
+    policy = CostAware(max_k=4, costs=STEEP.without_draft(), prior=0.5, probe_every=5)
+    for _ in range(60):
+        k = 4
+        accepted = (rng.random((64, k)) < 0.7).cumprod(axis=1).sum(axis=1)
+        policy.update(k, torch.from_numpy(accepted))
+    assert policy.alpha == pytest.approx(0.7, abs=0.04)
+    ks = []
+    for _ in range(12):
+        k = policy.begin_step()
+        ks.append(k)
+        policy.update(k, torch.zeros(1, dtype=torch.long) if k == 0 else torch.tensor([0]))
+    assert ks[:5] == [0] * 5 and ks[5] == 1 and ks[6:11] == [0] * 5 and ks[11] == 1
+    never = CostAware(max_k=8, costs=STEEP, probe_every=1)
+    for _ in range(5):
+        assert never.begin_step() == 0
+        never.update(0, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(QuickdraftError, match="forward costs"):
+        CostAware().begin_step()
+    for bad in (dict(max_k=0), dict(prior=1.0), dict(memory=1.0), dict(probe_every=0), dict(probe_alpha=0.0)):
+        with pytest.raises(QuickdraftError):
+            CostAware(**bad)
+
+
+@pytest.mark.parametrize("method", ["sd", "ngram"])
+def test_cost_aware_greedy_equals_plain_greedy(tiny_target, tiny_draft, method):
+    """Whatever lengths the policy picks (drafts of several tokens on a flat curve; on the steep one
+    plain steps, and for free lookup drafts probes that turn into drafts where the copies are
+    accepted), the greedy text is plain decoding's; on the steep curve ``sd`` makes no draft
+    forward at all, nor a prefill."""
+    from quickdraft.decoding.drafters import NGramDrafter
+
+    target = ModelRunner(tiny_target)
+    prompts = [p * 3 for p in PROMPTS]  # repeats for prompt lookup to find
+    plain = generate(target, prompts, method="ar", max_new_tokens=30).sequences
+    for costs, drafts in ((FLAT, True), (STEEP, False)):
+        drafter = (ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB) if method == "sd"
+                   else NGramDrafter(TINY_VOCAB, 3, 1))
+        policy = Recording(CostAware(max_k=6, costs=costs if method == "sd" else costs.without_draft()))
+        out = generate(target, prompts, method=method, drafter=drafter, policy=policy, max_new_tokens=30)
+        assert out.sequences == plain
+        if method == "sd":
+            assert (out.batch_metrics.drafted_tokens > 0) == drafts, policy.lengths
+            if not drafts:  # no draft forward at all, not even a prefill
+                assert out.batch_metrics.draft_forwards == 0 and set(policy.lengths) == {0}
+                assert drafter.runner.num_forwards == 0
+        else:  # plain steps and drafts
+            assert 0 in policy.lengths and max(policy.lengths) > 0, policy.lengths
+
+
+def test_the_cost_policy_is_for_chains():
+    from quickdraft.decoding.amusd import AsyncDrafter
+
+    target = ModelRunner(tiny_lm(seed=0))
+    for method, drafter in (("ar", None), ("amusd", AsyncDrafter(ModelRunner(tiny_lm(seed=1)), TINY_VOCAB))):
+        with pytest.raises(QuickdraftError, match="chooses between drafting a chain and a plain step"):
+            generate(target, PROMPTS, method=method, drafter=drafter, policy=CostAware(costs=FLAT), max_new_tokens=4)
+    assert isinstance(build_policy("cost", 6), CostAware) and build_policy("cost", 6).max_k == 6

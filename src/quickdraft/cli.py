@@ -65,7 +65,9 @@ def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts (several run as one batch)."),
     method: str = typer.Option("sd", help=f"Decoding method: {', '.join(METHOD_NAMES)}."),
     k: int = typer.Option(4, "--k", help="Draft length (tokens drafted per step)."),
-    policy: str = typer.Option("constant", help="Draft-length policy: constant, heuristic, confidence, specdecpp."),
+    policy: str = typer.Option("constant", help="Draft-length policy: constant, heuristic, confidence, specdecpp, "
+                               "cost (the length that pays most under this backend's measured forward costs, 0 where "
+                               "none does)."),
     temperature: float = typer.Option(0.0, help="0 = greedy (as is anything below 1e-5)."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
@@ -264,7 +266,7 @@ def serve(
     method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, amusd, fsd, typical, "
                                 "ersd, lantern, cd, scd."),
     k: int = typer.Option(4, "--k", help="Default draft length."),
-    policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp."),
+    policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp, cost."),
     temperature: float = typer.Option(0.0, help="Default temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Default top-p."),
     top_k: int = typer.Option(0, "--top-k", help="Default top-k (0 = off)."),

@@ -63,12 +63,18 @@ class MethodSpec:
     phrase: object | None = None  # quickdraft.decoding.phrase.PhraseConfig for phrase_sd
 
 
+#: the draft-length policies by name (:func:`build_policy`)
+POLICY_NAMES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp", "cost")
+
+
 def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: float = 0.5) -> Policy:
     """A draft-length policy by name (see :mod:`quickdraft.decoding.policies`).
 
     ``k`` is the draft length of ``constant``, the first draft length of ``heuristic`` and the
-    most tokens per step of ``confidence`` and ``specdecpp``; ``stop_threshold`` is ``p_min`` of
-    ``confidence`` and the threshold ``h`` of ``specdecpp``.
+    most tokens per step of ``confidence``, ``specdecpp`` and ``cost``; ``stop_threshold`` is
+    ``p_min`` of ``confidence`` and the threshold ``h`` of ``specdecpp``. ``cost`` gets the
+    backend's measured forward costs from the pipeline that runs it
+    (:meth:`quickdraft.pipeline.Pipeline.ready_policy`).
     """
     from quickdraft.decoding import policies
 
@@ -78,11 +84,13 @@ def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: f
         return policies.Heuristic(initial_k=k, max_k=max(k, 16))
     if policy == "confidence":
         return policies.Confidence(p_min=stop_threshold, max_k=k)
+    if policy == "cost":
+        return policies.CostAware(max_k=k)
     if policy == "specdecpp":
         if head is None:
             raise QuickdraftError("--policy specdecpp needs --head PATH (train one with `quickdraft train-head`)")
         return policies.SpecDecPP.from_file(head, threshold=stop_threshold, max_k=k)
-    raise QuickdraftError(f"unknown policy {policy!r}; choose one of constant, heuristic, confidence, specdecpp")
+    raise QuickdraftError(f"unknown policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
 def build_method(

@@ -17,13 +17,14 @@ import torch
 from quickdraft.decoding.amusd import AsyncDrafter
 from quickdraft.decoding.contrastive import ContrastiveDrafter
 from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter, NGramModelDrafter
-from quickdraft.decoding.engine import Method, generate
+from quickdraft.decoding.engine import SKIPPABLE, Method, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.metrics import GenerationMetrics
 from quickdraft.decoding.phrase import PhraseConfig, PhraseDrafter
-from quickdraft.decoding.policies import Constant, Policy
+from quickdraft.decoding.policies import Constant, CostAware, Policy
 from quickdraft.decoding.retrieval import RetrievalDrafter, RetrievalIndex
 from quickdraft.verification.rules import Fuzzy, Latent, LatentNeighbourhoods, Rule
+from quickdraft.backends.costs import StepCosts, measure_step_costs
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 from quickdraft.decoding.tree import TreeConfig
@@ -94,6 +95,7 @@ class Pipeline:
         self._neighbourhoods: LatentNeighbourhoods | None = None  # of the last k asked for
         #: a feature drafter's runner (:meth:`load_feature_drafter`): what drafter="feature" drafts with
         self.feature_draft: ModelRunner | None = None
+        self._step_costs: StepCosts | None = None  # the cost policy's measured forward costs (step_costs)
         if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
             raise QuickdraftError(
                 f"target and draft vocabularies differ: logits of size {self.vocab_size} vs "
@@ -448,6 +450,24 @@ class Pipeline:
             return dataclasses.replace(rule, neighbours=self.latent_neighbourhoods(rule.k))
         return rule
 
+    def ready_policy(self, policy: Policy, method: str) -> Policy:
+        """``policy`` ready for ``method`` on this pipeline: a :class:`CostAware` policy without
+        costs gets this pipeline's measured forward costs (:meth:`step_costs`), without the draft
+        model's for the model-free drafters (``ngram``, ``rest``)."""
+        if not isinstance(policy, CostAware) or policy.costs is not None or method not in SKIPPABLE:
+            return policy
+        costs = self.step_costs(policy.max_k)
+        return dataclasses.replace(policy, costs=costs.without_draft() if method in ("ngram", "rest") else costs)
+
+    def step_costs(self, max_k: int = 8) -> StepCosts:
+        """The target's forward costs over blocks of up to ``max_k + 1`` tokens and the draft's over
+        one, measured once on this pipeline's runners (:func:`quickdraft.backends.costs.measure_step_costs`;
+        a few seconds) and kept."""
+        blocks = tuple(sorted({1, 2, 3, 5, max_k + 1} - {b for b in (3, 5) if b > max_k + 1}))
+        if self._step_costs is None or self._step_costs.blocks[-1] < blocks[-1]:
+            self._step_costs = measure_step_costs(self.target, self.draft, blocks=blocks)
+        return self._step_costs
+
     # -- generation ------------------------------------------------------------------------------
     def generate(
         self,
@@ -536,7 +556,7 @@ class Pipeline:
                 drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier,
                                          datastore=datastore, phrase=phrase, drafter=drafter),
                 rule=self.ready_rule(rule),
-                policy=policy or Constant(k),
+                policy=self.ready_policy(policy or Constant(k), method),
                 sampling=sampling,
                 max_new_tokens=max_new_tokens,
                 seed=seed,

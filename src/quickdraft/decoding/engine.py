@@ -60,6 +60,9 @@ Method = Literal["ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd"
 METHODS: tuple[str, ...] = (
     "ar", "sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "amusd", "cd", "scd", "tree")
 
+#: the methods whose steps may be plain at a policy's choice (chains drafted by ChainProposer)
+SKIPPABLE: tuple[str, ...] = ("sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd")
+
 #: called as ``on_tokens(row, new_token_ids)`` whenever a row gains tokens
 TokenCallback = Callable[[int, list[int]], None]
 
@@ -343,6 +346,9 @@ class Decoder:
         self.eos_ids = set(eos_token_ids or ())
         self.stop = stop
         self.on_tokens = on_tokens
+        if getattr(self.policy, "may_skip", False) and method not in SKIPPABLE:
+            raise QuickdraftError(f"policy {self.policy.name!r} chooses between drafting a chain and a plain step: "
+                                  f"run it with {', '.join(SKIPPABLE)}")
         self.proposer = proposer_for(None if method == "ar" else drafter, self.policy, self.rule, sampling, self.vocab)
         if (method == "tree") == isinstance(self.proposer, ChainProposer) or (
                 (method == "amusd") != isinstance(self.proposer, AsyncProposer)):
@@ -375,9 +381,13 @@ class Decoder:
         target.reset(b)
         target.num_forwards = 0
         self.proposer.start(self.sequences)
+        # a policy that will never draft (CostAware on a target whose verification no draft repays)
+        # leaves the draft model unfed: a draft that came after all would feed it what is pending
+        self.feeds_draft = not getattr(self.policy, "never_drafts", False)
         if b:
             self._prefill_target(0)
-            self.proposer.prefill(self.sequences)
+            if self.feeds_draft:
+                self.proposer.prefill(self.sequences)
 
     # -- rows ------------------------------------------------------------------------------------
     @property
@@ -425,7 +435,7 @@ class Decoder:
                 _grow(runner, n)
                 grown.append(runner)
             self._prefill_target(first)
-            for runner in runners[1:]:
+            for runner in runners[1:] if self.feeds_draft else ():
                 _prefill(runner, self.sequences, first)
         except Exception:
             rows = list(range(first, first + n))

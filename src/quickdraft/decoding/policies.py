@@ -39,6 +39,11 @@ Policies
                    ``P̂_i`` from the draft's hidden state at the token (or, for a head that
                    reads the drawing state, the state that drew it) and, if the head reads
                    them, its confidence at the token
+``CostAware``      the length ``k`` (0: a plain step) that maximises expected tokens per
+                   second, ``E[tokens | k] / cost(k)``, under the backend's measured forward
+                   costs (:class:`quickdraft.backends.costs.StepCosts`) and a running estimate
+                   of the acceptance rate (Leviathan et al. 2023, §3.5, with a measured cost
+                   curve for the verification instead of a constant)
 =================  ==========================================================================
 
 Batches
@@ -65,6 +70,9 @@ References
    threshold policy on P(at least one drafted token is rejected).
 .. [2] Hugging Face transformers, ``AssistedCandidateGenerator``, ``num_assistant_tokens_schedule
    = "heuristic"``.
+.. [3] Y. Leviathan, M. Kalman, Y. Matias, "Fast Inference from Transformers via Speculative
+   Decoding", ICML 2023, §3.5: the expected tokens of a step, ``(1 − α^(γ+1)) / (1 − α)``, and
+   the draft length that maximises them per unit of time.
 """
 
 from __future__ import annotations
@@ -78,6 +86,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.verification.verify import MAX_DRAFT_LENGTH
 
 if TYPE_CHECKING:  # pragma: no cover
+    from quickdraft.backends.costs import StepCosts
     from quickdraft.decoding.head import AcceptanceHead
 
 BatchRule = Literal["mean", "any", "all"]
@@ -180,6 +189,36 @@ def rejection_risk(accept_probs: torch.Tensor) -> torch.Tensor:
     return 1.0 - accept_probs.clamp(0.0, 1.0).prod(dim=-1)
 
 
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens a step emits when it drafts ``k`` tokens, each accepted with probability
+    ``alpha`` once all before it were: ``Σ_{i=0..k} α^i = (1 − α^(k+1)) / (1 − α)`` (the bonus or
+    recovered token included; Leviathan et al. 2023, eq. 1).
+
+    >>> expected_tokens(0.5, 2), expected_tokens(1.0, 4), expected_tokens(0.3, 0)
+    (1.75, 5.0, 1.0)
+    """
+    return float(sum(alpha ** i for i in range(int(k) + 1)))
+
+
+def best_draft_length(alpha: float, costs: "StepCosts", max_k: int) -> int:
+    """The draft length ``k`` in ``[0, max_k]`` that maximises expected tokens per second,
+    ``expected_tokens(alpha, k) / costs.step(k)``; ``0`` (a plain step) wins ties, so a draft is
+    made only where it is expected to pay.
+
+    >>> from quickdraft.backends.costs import StepCosts
+    >>> flat = StepCosts((1, 9), (1.0, 1.1), draft_seconds=0.1)    # memory-bound target
+    >>> steep = StepCosts((1, 2, 5), (1.0, 1.7, 3.7), draft_seconds=0.3)  # compute-bound target
+    >>> best_draft_length(0.8, flat, 8), best_draft_length(0.8, steep, 8), best_draft_length(0.2, flat, 8)
+    (5, 0, 1)
+    """
+    best_k, best_rate = 0, 1.0 / costs.step(0)
+    for k in range(1, int(max_k) + 1):
+        rate = expected_tokens(alpha, k) / costs.step(k)
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return best_k
+
+
 def batch_stop(risk: torch.Tensor, threshold: float, rule: BatchRule = "mean") -> bool:
     """Whether a batch stops drafting: its aggregated ``risk [B]`` is above ``threshold``.
 
@@ -267,6 +306,91 @@ class Heuristic(Policy):
 
     def reset(self) -> None:
         self.k = self.initial_k
+
+
+@dataclass
+class CostAware(Policy):
+    """Draft :func:`best_draft_length` tokens: the length (0: a plain step) that maximises expected
+    tokens per second under ``costs``, the backend's measured forward costs, and ``alpha``, a
+    running estimate of the per-token acceptance rate.
+
+    ``alpha`` is ``A / (A + R)``: ``A`` the accepted draft tokens and ``R`` the rejections seen
+    (a row that accepted ``n < k`` of its ``k`` tokens rejected one; one that accepted all ``k``
+    rejected none: the maximum-likelihood estimate of a geometric acceptance), both decayed by
+    ``memory`` each drafting step and started from ``prior`` with the weight of ``prior_weight``
+    tokens. A plain step teaches nothing about acceptance, so after ``probe_every`` plain steps in a
+    row the policy drafts one token again, where a draft could pay at all (at an acceptance rate of
+    ``probe_alpha``); where even that could not (a draft model as slow as the target's extra
+    verification), it never drafts.
+
+    The length is a decision made before the step's draft, from earlier steps only, so the output
+    distribution of a lossless rule is untouched.
+
+    Attributes
+    ----------
+    max_k: the longest draft.
+    costs: :class:`quickdraft.backends.costs.StepCosts`; ``None`` until the pipeline measures them
+        (:meth:`quickdraft.pipeline.Pipeline.ready_policy`).
+    """
+
+    max_k: int = 8
+    costs: "StepCosts | None" = None
+    prior: float = 0.6
+    prior_weight: float = 4.0
+    memory: float = 0.9
+    probe_every: int = 16
+    probe_alpha: float = 0.9
+    name = "cost"
+    needs_probs = False
+    #: begin_step may answer 0: the engine makes a plain step
+    may_skip = True
+
+    def __post_init__(self) -> None:
+        _check_k(self.max_k, "max_k")
+        for value, what in ((self.prior, "prior"), (self.probe_alpha, "probe_alpha")):
+            if not 0.0 < value < 1.0:
+                raise QuickdraftError(f"{what} must be in (0, 1), got {value!r}")
+        if not 0.0 <= self.memory < 1.0 or not self.prior_weight > 0:
+            raise QuickdraftError(f"need 0 <= memory < 1 and prior_weight > 0, got {self.memory!r}, {self.prior_weight!r}")
+        if isinstance(self.probe_every, bool) or int(self.probe_every) != self.probe_every or self.probe_every < 1:
+            raise QuickdraftError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        self.reset()
+
+    @property
+    def alpha(self) -> float:
+        """The running estimate of the per-token acceptance rate."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def never_drafts(self) -> bool:
+        """Whether no draft can pay under ``costs`` at the acceptance rate known or probed for: the
+        policy then makes plain steps only (the estimate moves only with drafts), and the engine
+        spares the draft model its prefill."""
+        return self.costs is not None and best_draft_length(
+            max(self.alpha, self.probe_alpha), self.costs, self.max_k) == 0
+
+    def begin_step(self) -> int:
+        if self.costs is None:
+            raise QuickdraftError("the cost policy needs the backend's forward costs: run it through "
+                                  "Pipeline.generate, or set CostAware.costs (quickdraft.backends.costs)")
+        k = best_draft_length(self.alpha, self.costs, self.max_k)
+        if k == 0 and self.plain_steps >= self.probe_every and best_draft_length(self.probe_alpha, self.costs, self.max_k):
+            return 1
+        return k
+
+    def update(self, num_drafted: int, num_accepted: torch.Tensor) -> None:
+        if num_drafted == 0 or num_accepted.numel() == 0:
+            self.plain_steps += 1
+            return
+        self.plain_steps = 0
+        n = num_accepted.clamp(0, num_drafted)
+        self.accepted = self.memory * self.accepted + float(n.sum())
+        self.rejected = self.memory * self.rejected + float((n < num_drafted).sum())
+
+    def reset(self) -> None:
+        self.accepted = self.prior * self.prior_weight
+        self.rejected = (1.0 - self.prior) * self.prior_weight
+        self.plain_steps = 0
 
 
 @dataclass

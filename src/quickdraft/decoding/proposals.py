@@ -137,10 +137,11 @@ class ChainProposer:
 
     def __init__(self, drafter, policy: Policy, rule: Rule, sampling: SamplingParams, vocab_size: int) -> None:
         step_k = policy.begin_step()
-        if isinstance(step_k, bool) or int(step_k) != step_k or not 1 <= step_k <= MAX_DRAFT_LENGTH:
+        least = 0 if getattr(policy, "may_skip", False) else 1  # a policy that may skip drafting: 0 is a plain step
+        if isinstance(step_k, bool) or int(step_k) != step_k or not least <= step_k <= MAX_DRAFT_LENGTH:
             raise QuickdraftError(
                 f"policy {policy.name!r} asks for a draft of {step_k!r} tokens; the draft length must be an "
-                f"integer in [1, {MAX_DRAFT_LENGTH}]"
+                f"integer in [{least}, {MAX_DRAFT_LENGTH}]"
             )
         self.drafter = drafter
         self.policy = policy
@@ -152,7 +153,7 @@ class ChainProposer:
         self.on_ids = sampling.greedy and getattr(rule, "argmax_only", False) and not self.needs_raw
         self.runner = draft_runner(drafter)
         # room for the longest draft and its bonus token
-        self.room = 0 if drafter is None else max(step_k, getattr(drafter, "max_draft", 0)) + 1
+        self.room = 0 if drafter is None else max(step_k, getattr(policy, "max_k", 0), getattr(drafter, "max_draft", 0)) + 1
 
     def start(self, sequences: list[list[int]]) -> None:
         if self.drafter is not None:
@@ -163,7 +164,8 @@ class ChainProposer:
             self.drafter.prefill(sequences)
 
     def propose(self, sequences, active, cap, ctx) -> "ChainProposal":
-        if self.drafter is None or cap == 0:
+        skip = self.drafter is not None and cap > 0 and self.policy.begin_step() == 0  # the policy's plain step
+        if self.drafter is None or cap == 0 or skip:
             b, device = len(sequences), active.device
             draft = Draft(
                 ids=torch.zeros((b, 0), dtype=torch.long, device=device),
@@ -171,7 +173,7 @@ class ChainProposer:
                 lengths=torch.zeros(b, dtype=torch.long, device=device),
                 raw_probs=torch.zeros((b, 0, self.vocab_size), device=device) if self.needs_raw else None,
             )
-            return ChainProposal(draft, self)
+            return ChainProposal(draft, self, skipped=skip)
         draft = self.drafter.propose(sequences, BudgetCap(self.policy, cap), self.rule, self.sampling, ctx, active)
         return ChainProposal(draft.truncate(cap).to(active.device), self, drafted=True)
 
@@ -184,10 +186,11 @@ class ChainProposal:
     committed by rolling both caches back to the accepted prefix; the policy then sees the outcome.
     """
 
-    def __init__(self, draft: Draft, proposer: ChainProposer, drafted: bool = False) -> None:
+    def __init__(self, draft: Draft, proposer: ChainProposer, drafted: bool = False, skipped: bool = False) -> None:
         self.draft = draft
         self.proposer = proposer
         self.drafted = drafted  # whether the policy drafted this step (it sees the outcome at commit)
+        self.skipped = skipped  # whether the policy chose a plain step (it is told, as a draft of 0)
         self.target_ids: torch.Tensor | None = None  # [B, K+1] set by verify for a drafter with ``observe``
         self.forwards = draft.forwards
 
@@ -228,5 +231,5 @@ class ChainProposal:
             if self.drafted and hasattr(proposer.drafter, "observe"):
                 proposer.drafter.observe(self.draft, self.target_ids, walk.num_accepted)
             proposer.drafter.commit(sequences, valid_prefix)
-        if self.drafted:
+        if self.drafted or self.skipped:
             proposer.policy.update(self.draft.ids.shape[1], walk.num_accepted[active])

@@ -309,7 +309,8 @@ class Scheduler:
         drafter = pipe.drafter_for(method, lookup_k=self.lookup_k, draft=draft, phrase=spec.phrase)
         batch = _Batch(key, None)  # type: ignore[arg-type]
         batch.decoder = Decoder(
-            target, [], method=method, drafter=drafter, rule=pipe.ready_rule(spec.rule), policy=spec.policy, sampling=key.sampling,
+            target, [], method=method, drafter=drafter, rule=pipe.ready_rule(spec.rule),
+            policy=pipe.ready_policy(spec.policy, method), sampling=key.sampling,
             seed=key.seed, eos_token_ids=self.eos_ids, stop=lambda row, ids: self._stop_cut(batch, row, ids),
         )
         return batch

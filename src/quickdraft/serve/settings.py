@@ -24,7 +24,7 @@ SERVED_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "res
                                    "typical", "ersd", "lantern", "cd", "scd")
 #: the largest LANTERN neighbourhood a request may ask for (each drafted token's row holds k ids)
 MAX_LANTERN_K = 4096
-POLICIES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp")
+POLICIES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp", "cost")
 
 
 class SpeculativeSettings(BaseModel):
@@ -51,7 +51,7 @@ class SpeculativeSettings(BaseModel):
 
     method: str | None = None
     k: int | None = Field(default=None, ge=1, le=MAX_DRAFT_LENGTH)
-    policy: Literal["constant", "heuristic", "confidence", "specdecpp"] | None = None
+    policy: Literal["constant", "heuristic", "confidence", "specdecpp", "cost"] | None = None
     threshold: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     divergence: str | None = None
     hybrid: bool | None = None

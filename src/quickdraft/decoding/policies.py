@@ -318,7 +318,8 @@ class CostAware(Policy):
     (a row that accepted ``n < k`` of its ``k`` tokens rejected one; one that accepted all ``k``
     rejected none: the maximum-likelihood estimate of a geometric acceptance), both decayed by
     ``memory`` each drafting step and started from ``prior`` with the weight of ``prior_weight``
-    tokens. A plain step teaches nothing about acceptance, so after ``probe_every`` plain steps in a
+    tokens; the prior is optimistic, so that a generation learns its acceptance from its first
+    drafts rather than from sparse probes. A plain step teaches nothing about acceptance, so after ``probe_every`` plain steps in a
     row the policy drafts one token again, where a draft could pay at all (at an acceptance rate of
     ``probe_alpha``); where even that could not (a draft model as slow as the target's extra
     verification), it never drafts.
@@ -335,8 +336,8 @@ class CostAware(Policy):
 
     max_k: int = 8
     costs: "StepCosts | None" = None
-    prior: float = 0.6
-    prior_weight: float = 4.0
+    prior: float = 0.8
+    prior_weight: float = 2.0
     memory: float = 0.9
     probe_every: int = 16
     probe_alpha: float = 0.9

@@ -13,7 +13,7 @@ from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.head import AcceptanceHead
 from quickdraft.methods import build_policy
-from quickdraft.backends.costs import StepCosts
+from quickdraft.backends.costs import StepCost
 from quickdraft.decoding.policies import (
     Confidence,
     Constant,
@@ -353,7 +353,7 @@ ADAPTIVE = [
     ("specdecpp-drawing", lambda: SpecDecPP(drawing(random_head(3)), threshold=0.5, min_k=1, max_k=3)),
     # verification a token dearer per drafted token: 3 tokens at a confident start, fewer (or a plain
     # step) once the measured acceptance says so
-    ("cost", lambda: CostAware(max_k=3, costs=StepCosts((1, 2, 3, 4), (1.0, 1.5, 2.0, 2.5)), prior=0.9)),
+    ("cost", lambda: CostAware(max_k=3, costs=StepCost((1.0, 1.5, 2.0, 2.5), draft=0.0), prior=0.9)),
 ]
 
 
@@ -415,8 +415,8 @@ def test_sampling_with_an_adaptive_policy_matches_the_target(small_pair, name):
 
 #: a memory-bound target (verifying 9 tokens costs 1.1 of one) and a compute-bound one (llama.cpp
 #: on two AVX2 cores: 5 tokens cost 3.7, a draft token 0.3 of a target token)
-FLAT = StepCosts((1, 9), (1.0, 1.1), draft_seconds=0.1)
-STEEP = StepCosts((1, 2, 5, 9), (1.0, 1.7, 3.7, 6.6), draft_seconds=0.3)
+FLAT = StepCost(tuple(1.0 + 0.0125 * m for m in range(9)), draft=0.1)
+STEEP = StepCost((1.0, 1.7, 2.4, 3.0, 3.7, 4.4, 5.1, 5.9, 6.6), draft=0.3)
 
 
 def test_expected_tokens_is_the_mean_of_a_simulated_step():
@@ -434,9 +434,8 @@ def test_best_draft_length_maximises_tokens_per_second():
     curve the length grows with the acceptance rate, on the steep one no draft ever pays."""
     rng = np.random.default_rng(1)
     for _ in range(200):
-        blocks = (1, 2, 4, 9)
-        verify = tuple(np.cumsum(rng.uniform(0.05, 1.0, size=4)))
-        costs = StepCosts(blocks, verify, draft_seconds=float(rng.uniform(0, 0.5)))
+        costs = StepCost(tuple(np.cumsum(rng.uniform(0.05, 1.0, size=9))), draft=float(rng.uniform(0, 0.5)),
+                         overhead=float(rng.uniform(0, 0.1)))
         alpha, max_k = float(rng.uniform(0.01, 0.99)), int(rng.integers(1, 9))
         rates = [expected_tokens(alpha, k) / costs.step(k) for k in range(max_k + 1)]
         k = best_draft_length(alpha, costs, max_k)
@@ -447,14 +446,10 @@ def test_best_draft_length_maximises_tokens_per_second():
     assert best_draft_length(0.9, STEEP.without_draft(), 8) > 0  # free drafts (prompt lookup) can pay
 
 
-def test_step_costs_interpolate_and_refuse_bad_curves():
-    costs = StepCosts((1, 2, 5), (1.0, 1.7, 3.7))
-    assert costs.verify(1) == 1.0 and costs.verify(3) == pytest.approx(1.7 + 2.0 / 3)
-    assert costs.verify(9) == pytest.approx(3.7 + 4 * 2.0 / 3)  # extrapolated from the last two blocks
-    assert costs.step(0) == 1.0 and StepCosts((1, 2), (1.0, 1.2), 0.5).step(2) == pytest.approx(2.4)
-    for blocks, secs in (((1,), (1.0,)), ((2, 3), (1.0, 2.0)), ((1, 3, 2), (1.0, 2.0, 3.0)), ((1, 2), (1.0, 0.0))):
-        with pytest.raises(QuickdraftError):
-            StepCosts(blocks, secs)
+def test_the_cost_policy_needs_costs_for_its_longest_draft():
+    assert STEEP.without_draft().draft == 0.0 and STEEP.without_draft().target == STEEP.target
+    with pytest.raises(QuickdraftError, match="up to 4 tokens, not 9"):
+        CostAware(max_k=8, costs=StepCost((1.0, 1.5, 2.0, 2.5), draft=0.1)).begin_step()
 
 
 def test_cost_aware_estimates_the_acceptance_rate_and_probes():
@@ -519,3 +514,9 @@ def test_the_cost_policy_is_for_chains():
         with pytest.raises(QuickdraftError, match="chooses between drafting a chain and a plain step"):
             generate(target, PROMPTS, method=method, drafter=drafter, policy=CostAware(costs=FLAT), max_new_tokens=4)
     assert isinstance(build_policy("cost", 6), CostAware) and build_policy("cost", 6).max_k == 6
+    from quickdraft.methods import build_method
+
+    assert isinstance(build_method("fsd", policy="cost", k=6).policy, CostAware)
+    for name in ("ar", "amusd", "cd"):
+        with pytest.raises(QuickdraftError, match="policy cost chooses"):
+            build_method(name, policy="cost")

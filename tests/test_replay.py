@@ -13,7 +13,8 @@ from quickdraft.decoding.drafters import ModelDrafter
 from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.policies import Confidence, Constant, Heuristic, SpecDecPP
-from quickdraft.adaptive.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, race_proposer, walk
+from quickdraft.adaptive.replay import clairvoyant, draft_chains, race_proposer, walk
+from quickdraft.backends.costs import StepCost, measure_step_cost
 from quickdraft.verification.rules import ExponentialRace
 from quickdraft.verification.sampling import SamplingParams
 from quickdraft.backends.runner import ModelRunner

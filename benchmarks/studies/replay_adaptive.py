@@ -51,7 +51,8 @@ from quickdraft.decoding.engine import generate
 from quickdraft.decoding.head import load_head
 from quickdraft.pipeline import Pipeline
 from quickdraft.decoding.policies import Confidence, Constant, Heuristic, SpecDecPP
-from quickdraft.adaptive.replay import StepCost, clairvoyant, draft_chains, measure_step_cost, race_proposer, walk
+from quickdraft.adaptive.replay import clairvoyant, draft_chains, race_proposer, walk
+from quickdraft.backends.costs import StepCost, measure_step_cost
 from quickdraft.evaluation.report import plot_adaptive_replay
 from quickdraft.verification.rules import ExponentialRace
 from quickdraft.verification.sampling import SamplingParams

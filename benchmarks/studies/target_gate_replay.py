@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.adaptive.replay import StepCost, clairvoyant, walk
+from quickdraft.adaptive.replay import clairvoyant, walk
+from quickdraft.backends.costs import StepCost
 from quickdraft.evaluation.datasets import load_humaneval, load_mtbench
 from quickdraft.pipeline import Pipeline
 

@@ -163,6 +163,10 @@ def build_method(
                            hybrid=hybrid, greedy_drafts=greedy_drafts)
 
     pol = build_policy(policy, k, head, stop_threshold)
+    if policy == "cost" and name in ("ar", "amusd", "cd", "scd", "tree"):
+        raise QuickdraftError(f"--policy cost chooses between drafting a chain and a plain step; {name} has no such "
+                              "choice (use it with sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, fsd, typical, "
+                              "lantern or ersd)")
     if name == "ar":
         return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
     if name == "amusd":  # the draft model drafts the next block during verification

@@ -24,7 +24,7 @@ from quickdraft.decoding.phrase import PhraseConfig, PhraseDrafter
 from quickdraft.decoding.policies import Constant, CostAware, Policy
 from quickdraft.decoding.retrieval import RetrievalDrafter, RetrievalIndex
 from quickdraft.verification.rules import Fuzzy, Latent, LatentNeighbourhoods, Rule
-from quickdraft.backends.costs import StepCosts, measure_step_costs
+from quickdraft.backends.costs import StepCost, measure_step_cost
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 from quickdraft.decoding.tree import TreeConfig
@@ -95,7 +95,7 @@ class Pipeline:
         self._neighbourhoods: LatentNeighbourhoods | None = None  # of the last k asked for
         #: a feature drafter's runner (:meth:`load_feature_drafter`): what drafter="feature" drafts with
         self.feature_draft: ModelRunner | None = None
-        self._step_costs: StepCosts | None = None  # the cost policy's measured forward costs (step_costs)
+        self._step_costs: StepCost | None = None  # the cost policy's measured forward costs (step_costs)
         if draft_model is not None and int(draft_model.config.vocab_size) != self.vocab_size:
             raise QuickdraftError(
                 f"target and draft vocabularies differ: logits of size {self.vocab_size} vs "
@@ -459,13 +459,14 @@ class Pipeline:
         costs = self.step_costs(policy.max_k)
         return dataclasses.replace(policy, costs=costs.without_draft() if method in ("ngram", "rest") else costs)
 
-    def step_costs(self, max_k: int = 8) -> StepCosts:
-        """The target's forward costs over blocks of up to ``max_k + 1`` tokens and the draft's over
-        one, measured once on this pipeline's runners (:func:`quickdraft.backends.costs.measure_step_costs`;
-        a few seconds) and kept."""
-        blocks = tuple(sorted({1, 2, 3, 5, max_k + 1} - {b for b in (3, 5) if b > max_k + 1}))
-        if self._step_costs is None or self._step_costs.blocks[-1] < blocks[-1]:
-            self._step_costs = measure_step_costs(self.target, self.draft, blocks=blocks)
+    def step_costs(self, max_k: int = 8) -> StepCost:
+        """The target's forward costs over 1 … ``max_k + 1`` tokens and the draft's over one, measured
+        once on this pipeline's runners after a 128-token context
+        (:func:`quickdraft.backends.costs.measure_step_cost`, median of 3 rounds; a few seconds) and
+        kept."""
+        if self._step_costs is None or len(self._step_costs.target) < max_k + 1:
+            context = [(7 * i + 11) % min(self.vocab_size, 1000) for i in range(128)]
+            self._step_costs = measure_step_cost(self.target, self.draft, context, max_k, repeats=3)
         return self._step_costs
 
     # -- generation ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ length (``propose`` in :func:`draft_chains`). Given the output ``x`` and, for ev
 a run of any policy is a walk ``j -> j + min(match[j], stop[j]) + 1`` whose steps, drafted and
 accepted tokens are *exactly* those of the engine (``tests/test_replay.py`` checks them against
 :func:`quickdraft.decoding.engine.generate`). With the measured cost of a draft forward and of a target
-forward over ``m`` tokens (:class:`StepCost`) the walk also gives the decode time, so every fixed K,
+forward over ``m`` tokens (:class:`quickdraft.backends.costs.StepCost`) the walk also gives the decode time, so every fixed K,
 every threshold of every policy and the clairvoyant optimum (:func:`clairvoyant`: the draft length
 chosen per step knowing ``match``) are compared on the same texts, free of the run-to-run noise of
 wall-clock benchmarks. The time is a model (forwards only, plus a fixed per-step overhead); the
@@ -23,45 +23,22 @@ step counts are not.
 Pure functions: :func:`walk`, :func:`clairvoyant`. Model side: :func:`draft_chains` (one
 teacher-forced draft pass over prompt + output, then the chain from every start, driving the real
 policy objects exactly as :class:`quickdraft.decoding.drafters.ModelDrafter` does; greedy, or
-:func:`race_proposer` for ERSD) and :func:`measure_step_cost`.
+:func:`race_proposer` for ERSD); :func:`quickdraft.backends.costs.measure_step_cost` times the forwards.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Callable, Sequence
 
 import torch
 
+from quickdraft.backends.costs import StepCost
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.policies import Policy
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.race import race_keys, race_sample
 from quickdraft.verification.sampling import SamplingParams, logits_to_probs, raw_probs
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Seconds of one speculative step that drafts ``k`` tokens: ``k`` draft forwards, one target
-    forward over ``k + 1`` tokens (the drafted ones and the token before them), plus ``overhead``.
-
-    ``target[m - 1]`` is the target forward time over ``m`` tokens, ``m = 1 .. len(target)``.
-    """
-
-    target: tuple[float, ...]
-    draft: float
-    overhead: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.target or min(self.target) <= 0 or self.draft < 0 or self.overhead < 0:
-            raise QuickdraftError(f"step cost needs positive target times and non-negative draft/overhead, got {self}")
-
-    def step(self, k: int) -> float:
-        if not 1 <= k + 1 <= len(self.target):
-            raise QuickdraftError(f"no target time for a {k + 1}-token verification (have 1..{len(self.target)})")
-        return k * self.draft + self.target[k] + self.overhead
 
 
 @dataclass
@@ -286,34 +263,3 @@ def race_proposer(seed: int, sampling: SamplingParams, row: int = 0) -> Callable
         keys = race_keys(seed, torch.tensor([row]), torch.tensor([position]))
         return int(race_sample(probs, keys)[0])
     return propose
-
-
-def measure_step_cost(target: ModelRunner, draft: ModelRunner, context: Sequence[int], max_k: int,
-                      repeats: int = 5) -> StepCost:
-    """Median forward times after ``context``: the target over ``m = 1 .. max_k + 1`` tokens and the
-    draft over one token, each rolled back after timing (so every one sees the same cache). The sizes
-    are timed round-robin, ``repeats`` rounds, so a slow phase of the machine spreads over all."""
-    if len(context) < max_k + 1:
-        raise QuickdraftError(f"measure_step_cost needs a context of at least max_k + 1 = {max_k + 1} tokens")
-    ctx = torch.tensor([list(context)], dtype=torch.long)
-    for runner in (target, draft):
-        runner.reset(1)
-        runner.forward(ctx, logits_to_keep=1)
-    base = torch.tensor([len(context)])
-
-    def run(runner: ModelRunner, m: int) -> float:
-        t0 = time.perf_counter()
-        runner.forward(ctx[:, -m:], logits_to_keep=m)
-        seconds = time.perf_counter() - t0
-        runner.truncate(base)
-        return seconds
-
-    run(target, 1)
-    run(draft, 1)  # warm-up
-    target_times: list[list[float]] = [[] for _ in range(max_k + 1)]
-    draft_times: list[float] = []
-    for _ in range(repeats):
-        for m in range(1, max_k + 2):
-            target_times[m - 1].append(run(target, m))
-        draft_times.append(run(draft, 1))
-    return StepCost(target=tuple(median(t) for t in target_times), draft=median(draft_times))

@@ -41,7 +41,7 @@ Policies
                    them, its confidence at the token
 ``CostAware``      the length ``k`` (0: a plain step) that maximises expected tokens per
                    second, ``E[tokens | k] / cost(k)``, under the backend's measured forward
-                   costs (:class:`quickdraft.backends.costs.StepCosts`) and a running estimate
+                   costs (:class:`quickdraft.backends.costs.StepCost`) and a running estimate
                    of the acceptance rate (Leviathan et al. 2023, §3.5, with a measured cost
                    curve for the verification instead of a constant)
 =================  ==========================================================================
@@ -86,7 +86,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.verification.verify import MAX_DRAFT_LENGTH
 
 if TYPE_CHECKING:  # pragma: no cover
-    from quickdraft.backends.costs import StepCosts
+    from quickdraft.backends.costs import StepCost
     from quickdraft.decoding.head import AcceptanceHead
 
 BatchRule = Literal["mean", "any", "all"]
@@ -200,14 +200,14 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(sum(alpha ** i for i in range(int(k) + 1)))
 
 
-def best_draft_length(alpha: float, costs: "StepCosts", max_k: int) -> int:
+def best_draft_length(alpha: float, costs: "StepCost", max_k: int) -> int:
     """The draft length ``k`` in ``[0, max_k]`` that maximises expected tokens per second,
     ``expected_tokens(alpha, k) / costs.step(k)``; ``0`` (a plain step) wins ties, so a draft is
     made only where it is expected to pay.
 
-    >>> from quickdraft.backends.costs import StepCosts
-    >>> flat = StepCosts((1, 9), (1.0, 1.1), draft_seconds=0.1)    # memory-bound target
-    >>> steep = StepCosts((1, 2, 5), (1.0, 1.7, 3.7), draft_seconds=0.3)  # compute-bound target
+    >>> from quickdraft.backends.costs import StepCost
+    >>> flat = StepCost(tuple(1.0 + 0.0125 * m for m in range(9)), draft=0.1)     # memory-bound target
+    >>> steep = StepCost((1.0, 1.7, 2.4, 3.0, 3.7, 4.4, 5.1, 5.9, 6.6), draft=0.3)  # compute-bound target
     >>> best_draft_length(0.8, flat, 8), best_draft_length(0.8, steep, 8), best_draft_length(0.2, flat, 8)
     (5, 0, 1)
     """
@@ -330,12 +330,12 @@ class CostAware(Policy):
     Attributes
     ----------
     max_k: the longest draft.
-    costs: :class:`quickdraft.backends.costs.StepCosts`; ``None`` until the pipeline measures them
-        (:meth:`quickdraft.pipeline.Pipeline.ready_policy`).
+    costs: :class:`quickdraft.backends.costs.StepCost` over at least ``max_k + 1`` target tokens;
+        ``None`` until the pipeline measures them (:meth:`quickdraft.pipeline.Pipeline.ready_policy`).
     """
 
     max_k: int = 8
-    costs: "StepCosts | None" = None
+    costs: "StepCost | None" = None
     prior: float = 0.8
     prior_weight: float = 2.0
     memory: float = 0.9
@@ -374,6 +374,9 @@ class CostAware(Policy):
         if self.costs is None:
             raise QuickdraftError("the cost policy needs the backend's forward costs: run it through "
                                   "Pipeline.generate, or set CostAware.costs (quickdraft.backends.costs)")
+        if len(self.costs.target) < self.max_k + 1:
+            raise QuickdraftError(f"the cost policy drafts up to {self.max_k} tokens but its costs cover target "
+                                  f"forwards of up to {len(self.costs.target)} tokens, not {self.max_k + 1}")
         k = best_draft_length(self.alpha, self.costs, self.max_k)
         if k == 0 and self.plain_steps >= self.probe_every and best_draft_length(self.probe_alpha, self.costs, self.max_k):
             return 1

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.methods import MethodSpec, build_method
+from quickdraft.methods import POLICY_NAMES, MethodSpec, build_method
 from quickdraft.decoding.policies import MAX_DRAFT_LENGTH
 from quickdraft.verification.sampling import SamplingParams
 
@@ -24,7 +24,7 @@ SERVED_METHODS: tuple[str, ...] = ("ar", "sd", "ngram", "ngram_sd", "rest", "res
                                    "typical", "ersd", "lantern", "cd", "scd")
 #: the largest LANTERN neighbourhood a request may ask for (each drafted token's row holds k ids)
 MAX_LANTERN_K = 4096
-POLICIES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp", "cost")
+POLICIES: tuple[str, ...] = POLICY_NAMES
 
 
 class SpeculativeSettings(BaseModel):

@@ -29,13 +29,16 @@ def test_walk_counts_steps_by_hand():
     # starts 0..7; k = 3: step at 0 accepts 3 (emits 4) -> 4 accepts 0 -> 5 drafts 2 (3 tokens left:
     # 2 drafts and the bonus), accepts 2 (emits 3) -> 8 = end
     match = [5, 0, 0, 0, 0, 2, 0, 0]
-    r = walk(8, match, lambda j: 3, COST)
+    r = walk(8, match, lambda j: 3, COST, first=0)
     assert (r.steps, r.drafted, r.accepted, r.lengths) == (3, 8, 5, [3, 3, 2])
     assert r.seconds == pytest.approx(2 * (3 * 0.3 + 1.2 + 0.02) + (2 * 0.3 + 1.1 + 0.02))
     # k = 1: starts 0 (accepts 1) -> 2 -> 3 -> 4 -> 5 (accepts 1) -> 7 (the last token: no draft) -> end
-    r1 = walk(8, match, lambda j: 1)
+    r1 = walk(8, match, lambda j: 1, first=0)
     assert (r1.steps, r1.drafted, r1.accepted, r1.seconds) == (6, 5, 2, 0.0)
     assert r1.lengths == [1, 1, 1, 1, 1, 0]
+    # as the engine runs, after the prefill's token: starts 1 -> 2 -> 3 -> 4 -> 5 (2 drafts, both accepted) -> end
+    r2 = walk(8, match, lambda j: 3)
+    assert (r2.steps, r2.drafted, r2.accepted, r2.lengths) == (5, 14, 2, [3, 3, 3, 3, 2])
 
 
 def test_walk_rejects_bad_input():
@@ -49,7 +52,7 @@ def test_walk_rejects_bad_input():
         StepCost(target=(), draft=0.1)
 
 
-def _brute_force(n, match, cost, max_k, j=0):
+def _brute_force(n, match, cost, max_k, j=1):  # from the first token after the prefill's
     if j >= n:
         return 0.0
     drafts = {min(k, n - j - 1) for k in range(1, max_k + 1)}  # the engine drafts no more than is left

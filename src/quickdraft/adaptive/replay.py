@@ -11,7 +11,8 @@ length (``propose`` in :func:`draft_chains`). Given the output ``x`` and, for ev
 * ``match[j]``: how many leading chain tokens equal ``x[j], x[j+1], ...`` (at most ``max_k``), and
 * ``stop[j]``: how many tokens a policy drafts from there (its decision reads only the chain),
 
-a run of any policy is a walk ``j -> j + min(match[j], stop[j]) + 1`` whose steps, drafted and
+a run of any policy is a walk ``j -> j + min(match[j], stop[j]) + 1`` from ``j = 1`` (the
+engine's prefill emits the first token) whose steps, drafted and
 accepted tokens are *exactly* those of the engine (``tests/test_replay.py`` checks them against
 :func:`quickdraft.decoding.engine.generate`). With the measured cost of a draft forward and of a target
 forward over ``m`` tokens (:class:`quickdraft.backends.costs.StepCost`) the walk also gives the decode time, so every fixed K,
@@ -70,6 +71,7 @@ def walk(
     choose: Callable[[int], int],
     cost: StepCost | None = None,
     update: Callable[[int, int], None] | None = None,
+    first: int = 1,
 ) -> ReplayResult:
     """Replay one generation of ``n_tokens`` tokens (greedy, or ERSD at any temperature).
 
@@ -80,18 +82,19 @@ def walk(
     choose: ``choose(j) -> k``, the draft length of the step that starts at ``j``.
     cost: optional; without it ``seconds`` stays 0.
     update: optional ``update(k, accepted)`` after each step (stateful policies such as Heuristic).
+    first: tokens emitted before the first step: the engine's prefill emits one.
 
     A step drafts ``k = min(choose(j), n_tokens - j - 1)`` tokens (as the engine, it drafts no more
     than the tokens left after the bonus token), accepts ``a = min(match[j], k)`` tokens and emits
     ``a + 1`` (the last one the target's correction or bonus token).
 
-    >>> r = walk(5, [2, 0, 0, 1, 0], lambda j: 2)
+    >>> r = walk(5, [2, 0, 2, 1, 0], lambda j: 2)
     >>> r.steps, r.drafted, r.accepted, r.lengths
-    (2, 3, 3, [2, 1])
+    (2, 4, 2, [2, 2])
     """
     _check_match(match, n_tokens)
     res = ReplayResult()
-    j = 0
+    j = min(int(first), n_tokens)
     while j < n_tokens:
         k = int(choose(j))
         if k < 1:
@@ -116,20 +119,21 @@ def clairvoyant(n_tokens: int, match: Sequence[int], cost: StepCost, max_k: int)
     output: a dynamic programme over starts that knows ``match`` (how far the draft is right).
 
     ``V(j) = min_k cost(k') + V(min(n, j + min(match[j], k') + 1))``, ``V(n) = 0``, with
-    ``k' = min(k, n - j - 1)`` the draft :func:`walk` (and the engine) makes. It is a bound, not
-    a policy: no rule that sees only the draft can do better (its choices are among those tried).
+    ``k' = min(k, n - j - 1)`` the draft :func:`walk` (and the engine) makes; the walk starts at
+    ``j = 1``, after the prefill's token. It is a bound, not a policy: no rule that sees only the
+    draft can do better (its choices are among those tried).
     """
     _check_match(match, n_tokens)
     best = [0.0] * (n_tokens + 1)
     choice = [1] * n_tokens
-    for j in range(n_tokens - 1, -1, -1):
+    for j in range(n_tokens - 1, 0, -1):
         options = []
         for k in range(1, max_k + 1):
             drafted = min(k, n_tokens - j - 1)  # walk's cap by the tokens left
             options.append((cost.step(drafted) + best[min(n_tokens, j + min(int(match[j]), drafted) + 1)], k))
         best[j], choice[j] = min(options)
     res = walk(n_tokens, match, lambda j: choice[j], cost)
-    assert abs(res.seconds - best[0]) <= 1e-9 * max(1.0, best[0])
+    assert abs(res.seconds - best[min(1, n_tokens)]) <= 1e-9 * max(1.0, best[min(1, n_tokens)])
     return res
 
 

@@ -141,7 +141,8 @@ def _chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_speculative_sampling_on_the_quantized_model_matches_its_distribution(scheme):
-    """The first two tokens of 1200 seeded runs (one batch) follow the quantised target's exact
+    """The first two tokens of 1200 seeded runs (one batch; the prefill's, then a speculative step's
+    with one draft token, three tokens to generate) follow the quantised target's exact
     distributions; against the draft's (a negative control) the same test must fail."""
     target = small_lm(0)
     draft = draft_of(target, seed=1, scale=0.6)
@@ -150,7 +151,7 @@ def test_speculative_sampling_on_the_quantized_model_matches_its_distribution(sc
     prompt, rows = [3, 17, 42], 1200
     out = generate(
         ModelRunner(target, "target"), [prompt] * rows, method="sd", drafter=ModelDrafter(ModelRunner(draft), VOCAB),
-        policy=Constant(3), sampling=SamplingParams(temperature=1.0), max_new_tokens=2, seed=7,
+        policy=Constant(3), sampling=SamplingParams(temperature=1.0), max_new_tokens=3, seed=7,
     )
     tokens = np.array([s[:2] for s in out.sequences])  # [rows, 2]
     with torch.no_grad():

@@ -23,7 +23,7 @@ from quickdraft.verification.rules import Greedy, Lossless
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 
-from conftest import TINY_VOCAB, chi_square_pvalue, exact_triples, tiny_lm, triple_counts, word_tokenizer
+from conftest import TINY_VOCAB, chi_square_pvalue, counts_after_first, exact_after_first, tiny_lm, word_tokenizer
 from test_cli import _run, tiny_pipeline  # noqa: F401  (tiny_pipeline is a fixture)
 
 
@@ -219,9 +219,9 @@ class AcceptAll(Lossless):
 
 @pytest.mark.parametrize("method", ["rest", "rest_sd"])
 def test_rest_sampling_matches_the_target(one_thread, method):
-    """At T = 1 on a vocabulary-8 pair, 10,000 rows generate three tokens through retrieved
+    """At T = 1 on a vocabulary-8 pair, 10,000 rows generate four tokens through retrieved
     (one-hot) drafts, and for ``rest_sd`` draft-model steps where retrieval finds nothing; the
-    tokens follow the target's exact law (512 cells, chi-square p > 1e-4). Accepting every draft
+    three after the prefill's follow the target's exact law (512 cells, chi-square p > 1e-4). Accepting every draft
     fails the same test (p < 1e-6)."""
     v, n = 8, 10_000
     model = tiny_lm(seed=31, vocab=v, max_positions=64)
@@ -229,7 +229,7 @@ def test_rest_sampling_matches_the_target(one_thread, method):
         model.lm_head.weight.mul_(10.0)
     params = SamplingParams(temperature=1.0)
     prompt = [5, 4, 7, 5, 4]
-    exact = exact_triples(model, prompt, params)
+    exact = exact_after_first(model, prompt, params, 3)
     index = RetrievalIndex.from_token_lists([[5, 4, 7, 5, 4, 7, 5, 4, 7], [3, 6, 2, 6]])
     target = ModelRunner(model)
 
@@ -239,8 +239,8 @@ def test_rest_sampling_matches_the_target(one_thread, method):
             drafter = NGramModelDrafter(drafter, ModelDrafter(ModelRunner(tiny_lm(seed=7, vocab=v, max_positions=64)), v),
                                         lookup_k=3)
         out = generate(target, [prompt] * n, method=method, drafter=drafter, rule=rule, policy=Constant(3),
-                       sampling=params, max_new_tokens=3, seed=17)
-        counts = triple_counts(out.sequences, v)
+                       sampling=params, max_new_tokens=4, seed=17)
+        counts = counts_after_first(out.sequences, v, 3)
         return counts, out.batch_metrics
 
     counts, metrics = run(Lossless())

@@ -33,7 +33,8 @@ from quickdraft.verification.sampling import SamplingParams, logits_to_probs
 from quickdraft.decoding.tree import TokenTree, TreeConfig, ancestor_mask, build_tree, compile_paths, sampled_plan
 from quickdraft.decoding.tree_decoding import generate_tree
 
-from conftest import TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, perturbed_copy, tiny_lm, tree_pair_counts
+from conftest import (TINY_VOCAB, chi_square_pvalue as _chi_square_pvalue, counts_after_first, exact_after_first,
+                      perturbed_copy, tiny_lm, tree_pair_counts)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15]]
 PROMPT = [1, 2, 3]
@@ -266,22 +267,20 @@ def test_negative_control_deterministic_children_verified_as_samples_fails(table
 
 def test_generate_tree_end_to_end_matches_the_target(tiny_target):
     """10,000 rows through generate_tree (real tree forwards, compaction, second steps); the
-    three-token budget leaves the first step its full depth-2 trees, the first two tokens are
-    tested."""
+    four-token budget leaves the first step after the prefill's token its full depth-2 trees, and
+    the two tokens after the prefill's are tested against the target's law (the first token
+    marginalised out)."""
     params = SamplingParams(temperature=1.0)
     draft = perturbed_copy(tiny_target, scale=0.6, seed=5)
-    t = _Tables(tiny_target, draft, params)
     n = 10_000
     out = generate_tree(
         ModelRunner(tiny_target), ModelRunner(draft), [PROMPT] * n,
         config=TreeConfig(depth=2, topk=3, budget=7, scheme="without_replacement"), verifier="rrs",
-        sampling=params, max_new_tokens=3, seed=2,
+        sampling=params, max_new_tokens=4, seed=2,
     )
-    counts = np.zeros((TINY_VOCAB, TINY_VOCAB))
-    seqs = np.array([s[:2] for s in out.sequences])
-    np.add.at(counts, (seqs[:, 0], seqs[:, 1]), 1)
+    counts = counts_after_first(out.sequences, TINY_VOCAB, 2)
     assert out.batch_metrics.accepted_tokens > n // 4  # the walk does go down the trees
-    assert _chi_square_pvalue(counts, t.joint()) > P_PASS
+    assert _chi_square_pvalue(counts, exact_after_first(tiny_target, PROMPT, params, 2)) > P_PASS
 
 
 def test_bad_combinations_raise(tiny_target, tiny_draft):

@@ -152,8 +152,9 @@ class ChainProposer:
         # the rule reads only argmax ids at this temperature: verify on token ids (verify_greedy_ids)
         self.on_ids = sampling.greedy and getattr(rule, "argmax_only", False) and not self.needs_raw
         self.runner = draft_runner(drafter)
-        # room for the longest draft and its bonus token
-        self.room = 0 if drafter is None else max(step_k, getattr(policy, "max_k", 0), getattr(drafter, "max_draft", 0)) + 1
+        # room for the longest draft and its bonus token (a policy that may skip says its longest: max_k)
+        longest = max(step_k, getattr(policy, "max_k", 0) if least == 0 else 0, getattr(drafter, "max_draft", 0))
+        self.room = 0 if drafter is None else longest + 1
 
     def start(self, sequences: list[list[int]]) -> None:
         if self.drafter is not None:

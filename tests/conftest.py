@@ -184,6 +184,28 @@ def counts_after_first(sequences: list[list[int]], vocab: int, n: int) -> np.nda
     return counts
 
 
+def runner_law_after_first(runner, prompt: list[int], temperature: float = 1.0, keep=None) -> torch.Tensor:
+    """``P(t2, t3)`` of a runner after ``prompt`` at ``temperature`` with the prefill's ``t1``
+    marginalised out, ``[V * V]`` float64 (the tokens the engine's steps emit), from one batched
+    forward per ``t1``; ``keep`` (``[V]`` bool) renormalises every distribution to those ids."""
+    def probs(contexts):  # [len(contexts), V]
+        runner.reset(len(contexts))
+        p = torch.softmax(runner.forward(torch.tensor(contexts)).logits[:, -1].double() / temperature, -1)
+        if keep is not None:
+            p = torch.where(keep, p, 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+    first = probs([prompt])[0]
+    v = first.shape[0]
+    law = torch.zeros(v, v, dtype=torch.float64)
+    for t1 in range(v):
+        second = probs([prompt + [t1]])[0]
+        third = probs([prompt + [t1, t2] for t2 in range(v)])  # [t2, t3]
+        law += first[t1] * second[:, None] * third
+    return law.flatten()
+
+
 def tree_pair_counts(
     tree, p1: torch.Tensor, p2: torch.Tensor, verifier: str, generator: torch.Generator
 ) -> tuple[np.ndarray, int]:

@@ -28,6 +28,8 @@ from quickdraft.backends.openvino.runner import HeadLayout, _scatter_vocab  # no
 from quickdraft.decoding.drafters import ModelDrafter  # noqa: E402
 from quickdraft.decoding.engine import generate  # noqa: E402
 from quickdraft.errors import QuickdraftError  # noqa: E402
+
+from conftest import runner_law_after_first  # noqa: E402
 from quickdraft.decoding.policies import Constant  # noqa: E402
 from quickdraft.verification.rules import Lossless  # noqa: E402
 from quickdraft.backends.runner import ModelRunner  # noqa: E402
@@ -117,23 +119,8 @@ def test_lossless_sampling_with_a_draft_vocabulary_matches_the_target(exports):
     target, draft = _runner(exports[0], "target"), _runner(exports[1], "draft")
     prompt = [4, 17, 9]
 
-    def two_token_probs(runner, keep=None):
-        """P(t2, t3) with t1 marginalised out, [V * V]."""
-        def probs(contexts):  # [len(contexts), V], one batched forward
-            runner.reset(len(contexts))
-            p = torch.softmax(runner.forward(torch.tensor(contexts)).logits[:, -1].double(), -1)
-            if keep is not None:
-                p = torch.where(keep, p, 0.0)
-                p = p / p.sum(-1, keepdim=True)
-            return p
-
-        first = probs([prompt])[0]
-        law = torch.zeros(64, 64, dtype=torch.float64)
-        for t1 in range(64):
-            second = probs([prompt + [t1]])[0]
-            third = probs([prompt + [t1, t2] for t2 in range(64)])  # [t2, t3]
-            law += first[t1] * second[:, None] * third
-        return law.flatten()  # [V * V]
+    def two_token_probs(runner, keep=None):  # P(t2, t3), t1 marginalised out, [V * V]
+        return runner_law_after_first(runner, prompt, keep=keep)
 
     exact = two_token_probs(target)
     outside = 1 - exact.view(64, 64)[:SUBSET, :SUBSET].sum()

@@ -27,7 +27,7 @@ from quickdraft.verification.rules import Fuzzy, Lossless, Typical  # noqa: E402
 from quickdraft.backends.runner import ModelRunner  # noqa: E402
 from quickdraft.verification.sampling import SamplingParams  # noqa: E402
 
-from conftest import tiny_lm  # noqa: E402
+from conftest import runner_law_after_first, tiny_lm  # noqa: E402
 
 
 def _save(model, path):
@@ -195,20 +195,8 @@ def test_lossless_sampling_matches_the_target_distribution(ov_models):
     sampling = SamplingParams(temperature=0.8)
     prompt = [4, 17, 9]
 
-    def two_token_probs(runner):
-        """P(t2, t3) at T = 0.8 with the prefill's t1 marginalised out, [V * V] (the tokens the
-        speculative steps emit)."""
-        def probs(contexts):  # [len(contexts), V], one batched forward
-            runner.reset(len(contexts))
-            return torch.softmax(runner.forward(torch.tensor(contexts)).logits[:, -1].double() / 0.8, -1)
-
-        first = probs([prompt])[0]
-        joint = torch.zeros(64, 64, dtype=torch.float64)
-        for t1 in range(64):
-            second = probs([prompt + [t1]])[0]
-            third = probs([prompt + [t1, t2] for t2 in range(64)])  # [t2, t3]
-            joint += first[t1] * second[:, None] * third
-        return joint.flatten()
+    def two_token_probs(runner):  # P(t2, t3) at T = 0.8, the prefill's t1 marginalised out, [V * V]
+        return runner_law_after_first(runner, prompt, temperature=0.8)
 
     exact = two_token_probs(target)
     n = 2000

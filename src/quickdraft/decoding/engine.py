@@ -278,18 +278,17 @@ def _shrink(runner, rows: list[int]) -> None:
         runner.remove_rows(rows)
 
 
-def _prefill(runner, sequences: list[list[int]], first_new: int, whole: bool = False) -> torch.Tensor | bool:
+def _prefill(runner, sequences: list[list[int]], first_new: int, whole: bool = False):
     """Feed rows ``first_new ..`` every token but their last (``whole``: every token); earlier rows
-    are padding. Returns the logits after each row's last fed token ``[B, 1, V']`` when ``whole``,
-    else whether a forward ran."""
+    are padding. Returns the forward's output (logits ``[B, 1, V']`` after each row's last fed
+    token), or ``None`` where there was nothing to feed."""
     lengths = runner.lengths.tolist()
     prefix = [s[: int(n)] for s, n in zip(sequences[:first_new], lengths)] + [
         s if whole else s[:-1] for s in sequences[first_new:]]
     if max(len(p) - int(n) for p, n in zip(prefix, lengths)) <= 0:
-        return False
+        return None
     ids, valid = pending_block(prefix, runner.lengths)
-    out = runner.forward(ids, valid, logits_to_keep=1)
-    return out.logits if whole else True
+    return runner.forward(ids, valid, logits_to_keep=1)
 
 
 class Decoder:
@@ -450,8 +449,8 @@ class Decoder:
         first token from the prefill's last logits, drawn by the rule as a plain step (a step with no
         draft: the rule's own plain decoding, so the output distribution is the same), counted as a
         prefill token rather than a step."""
-        logits = _prefill(self.target, self.sequences, first, whole=self.first_from_prefill)
-        if logits is not False:
+        out = _prefill(self.target, self.sequences, first, whole=self.first_from_prefill)
+        if out is not None:
             for m in self.metrics[first:]:
                 m.target_forwards += 1
         if not self.first_from_prefill:
@@ -464,7 +463,7 @@ class Decoder:
                             positions=torch.tensor([len(s) for s in prompts], dtype=torch.long, device=gen_device),
                             extra={"row_ids": self.row_ids[first:].to(gen_device)})
         plain = ChainProposer(None, Constant(1), self.rule, self.sampling, self.vocab)
-        walk = plain.propose(prompts, active, 0, ctx).verify(logits[first:].to(gen_device), ctx, active)
+        walk = plain.propose(prompts, active, 0, ctx).verify(out.logits[first:].to(gen_device), ctx, active)
         for row, token in zip(rows, walk.output_ids[:, 0].tolist()):
             self.metrics[row].prefill_tokens = 1
             if not append_emitted(row, [token], self.new_ids, self.sequences, self.finish, self.max_new_tokens[row],

@@ -113,7 +113,9 @@ TUNED = ":tuned"
 def policy_of(method: str, k: int, p_min: float, cost: bool = False):
     """The draft-length policy of a parsed method: a trailing ``c`` is :class:`Confidence` (at most
     ``k`` tokens, stop below ``p_min``), a config ending in ``:cost`` :class:`CostAware` (at most
-    ``k``; the pipeline measures its forward costs once, in the warm-up), otherwise :class:`Constant` ``k``."""
+    ``k``; the pipeline measures its forward costs in the warm-up, or reads them from the cost cache
+    of earlier runs, :class:`quickdraft.backends.costs.CostCache`; ``step_costs`` in the results),
+    otherwise :class:`Constant` ``k``."""
     from quickdraft.decoding.policies import Confidence, CostAware
 
     if cost:
@@ -405,6 +407,11 @@ def run(args: argparse.Namespace) -> dict:
 
     for config in args.configs:  # warm-up
         one(config, prompt_ids[0], SamplingParams(), 0, 4)
+    for config in args.configs:  # the forward costs the cost policy decides by (measured or cached)
+        if config.endswith(COST):
+            costs = pipes[parse_config(config)[0]]._step_costs
+            result.setdefault("step_costs", {})[config] = {"target_ms": [round(1e3 * t, 2) for t in costs.target],
+                                                           "draft_ms": round(1e3 * costs.draft, 2)}
     result["memory_after_load"] = _memory_status()
     _reset_peak_rss()  # VmHWM from here on: the generation's peak, loading (and quantising) excluded
     rows = []

@@ -116,6 +116,15 @@ def test_errors_name_the_problem(runner):
         LlamaGGUF("/nonexistent/model.gguf")
 
 
+def test_the_cost_identity_names_the_file_the_threads_and_the_kernels(runner, exact_runner, gguf):
+    """What the cost policy's cache keys on (:func:`quickdraft.backends.costs.cost_key`)."""
+    identity = runner.cost_identity()
+    assert identity["weights"]["path"] == str(Path(gguf).resolve()) and identity["runtime"].startswith("llama.cpp")
+    assert identity["threads"] == 1 and identity["exact"] is False
+    exact = exact_runner.cost_identity()
+    assert exact["exact"] is True and exact["repack"] in (False, None) and exact != identity
+
+
 def test_exact_mode_refuses_repacked_weights(gguf):
     with pytest.raises(QuickdraftError, match="repack off"):
         LlamaGGUF(gguf, n_ctx=64, n_threads=1, repack=True, exact=True)

@@ -5,6 +5,7 @@ the same backend's plain greedy output; the goodness-of-fit test of the lossless
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,6 +55,16 @@ def test_export_is_complete_and_stateful(ov_models):
     assert is_exported(target_dir)
     runner = _runner(target_dir)
     assert len(runner._states) == 2 * runner.model.config.num_hidden_layers
+
+
+def test_the_cost_identity_names_the_export_and_the_plugin_settings(ov_models):
+    """What the cost policy's cache keys on (:func:`quickdraft.backends.costs.cost_key`)."""
+    target_dir, draft_dir = ov_models
+    identity = _runner(target_dir).cost_identity()
+    assert identity["weights"]["path"] == str(Path(target_dir).resolve()) and identity["runtime"].startswith("openvino")
+    assert any(name.endswith(".bin") for name, _, _ in identity["weights"]["files"]) and identity["head"] is None
+    assert identity["plugin"]["INFERENCE_NUM_THREADS"] == "1"
+    assert _runner(draft_dir, "draft").cost_identity()["weights"] != identity["weights"]
 
 
 def test_logits_match_torch_with_padding_rollback_and_holes(ov_models, tiny_target):

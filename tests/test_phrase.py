@@ -180,7 +180,7 @@ def test_cli_phrase_errors(args, needle):
 
 def test_cli_phrase_sd_end_to_end(tiny_pipeline):  # noqa: F811
     common = ["generate", "w1 w2 w3 w1 w2 w3", "--no-chat", "--max-new-tokens", "12", "--json"]
-    result = _run(*common, "--method", "phrase_sd", "--phrase-len", "4", "--phrase-pool", "100",
+    result = _run(*common, "--method", "phrase_sd", "--policy", "constant", "--phrase-len", "4", "--phrase-pool", "100",
                   "--phrase-max-draft", "8")
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output[result.output.index("{"):])

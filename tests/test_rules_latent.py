@@ -429,7 +429,7 @@ def test_command_line_lantern_runs_and_zero_delta_prints_the_sd_text(monkeypatch
     pipe = Pipeline(soft_target, word_tokenizer(), tiny_draft)
     monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *args, **kwargs: pipe))
     common = ["generate", "w1 w2 w3 w4", "--no-chat", "--temperature", "1.0", "--max-new-tokens", "24", "--json",
-              "--seed", "2"]
+              "--seed", "2", "--policy", "constant"]
     runner = CliRunner()
 
     def run(*extra):

@@ -64,10 +64,12 @@ def full_head_unless_given(draft_vocab: int | None, rule) -> int | None:
 def generate(
     prompts: list[str] = typer.Argument(..., help="One or more prompts (several run as one batch)."),
     method: str = typer.Option("sd", help=f"Decoding method: {', '.join(METHOD_NAMES)}."),
-    k: int = typer.Option(4, "--k", help="Draft length (tokens drafted per step)."),
-    policy: str = typer.Option("constant", help="Draft-length policy: constant, heuristic, confidence, specdecpp, "
-                               "cost (the length that pays most under this backend's measured forward costs, 0 where "
-                               "none does)."),
+    k: int = typer.Option(4, "--k", help="Draft length (tokens drafted per step; the most per step for the "
+                          "confidence, specdecpp, cost and auto policies)."),
+    policy: str = typer.Option("auto", help="Draft-length policy: constant, heuristic, confidence, specdecpp, "
+                               "cost (the length up to --k that pays most under this backend's measured forward "
+                               "costs, 0 where none does; measured once per machine and pair, then cached), auto "
+                               "(cost where the method may make plain steps, else constant)."),
     temperature: float = typer.Option(0.0, help="0 = greedy (as is anything below 1e-5)."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
@@ -221,7 +223,15 @@ def generate(
             acceptance_head.check_draft(pipe.draft_model, name=f"draft {draft!r}")  # clear error on a mismatch
         if not json_out:
             who = "feature drafter" if by_features else (draft if spec.needs_draft else "-")
-            typer.echo(f"[{method}] backend={backend} target={target} draft={who}", err=True)
+            typer.echo(f"[{method}] backend={backend} policy={spec.policy.name} target={target} draft={who}", err=True)
+        if spec.policy.name == "cost":
+            from quickdraft.backends.costs import CostCache, cost_key
+
+            store, key = CostCache.default(), cost_key(pipe.target, pipe.draft)
+            if not json_out and (key is None or store.get(key, spec.policy.max_k) is None):
+                typer.echo(f"[{method}] policy cost: measuring this pair's forward costs on this machine (seconds; "
+                           f"kept in {store.path})", err=True)
+            pipe.step_costs(spec.policy.max_k)
         single = len(prompts) == 1
         stream = None if json_out or not single else (lambda row, text: (sys.stdout.write(text), sys.stdout.flush()))
         out = pipe.generate(
@@ -234,11 +244,12 @@ def generate(
         return
     if json_out:
         results = [
-            {"method": method, "backend": backend, "text": c.text, "finish_reason": c.finish_reason,
+            {"method": method, "backend": backend, "policy": spec.policy.name, "text": c.text, "finish_reason": c.finish_reason,
              "metrics": c.metrics.to_dict()}
             for c in out.completions
         ]
-        payload = results[0] if single else {"method": method, "backend": backend, "completions": results,
+        payload = results[0] if single else {"method": method, "backend": backend, "policy": spec.policy.name,
+                                             "completions": results,
                                              "batch_metrics": out.metrics.to_dict()}
         typer.echo(json.dumps(payload, indent=2))
         return
@@ -266,7 +277,8 @@ def serve(
     method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, amusd, fsd, typical, "
                                 "ersd, lantern, cd, scd."),
     k: int = typer.Option(4, "--k", help="Default draft length."),
-    policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp, cost."),
+    policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp, "
+                               "cost, auto (as for `generate`)."),
     temperature: float = typer.Option(0.0, help="Default temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Default top-p."),
     top_k: int = typer.Option(0, "--top-k", help="Default top-k (0 = off)."),

@@ -63,15 +63,25 @@ class MethodSpec:
     phrase: object | None = None  # quickdraft.decoding.phrase.PhraseConfig for phrase_sd
 
 
-#: the draft-length policies by name (:func:`build_policy`)
-POLICY_NAMES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp", "cost")
+#: the draft-length policies by name (:func:`build_policy`); ``auto`` is :func:`build_method`'s
+#: choice: ``cost`` for a method that may make plain steps (:func:`may_skip_drafting`), else ``constant``
+POLICY_NAMES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp", "cost", "auto")
+
+
+def may_skip_drafting(name: str, candidates: int = 1) -> bool:
+    """Whether method ``name`` drafts one chain a step, so that a step may be a plain step instead
+    (what ``--policy cost`` chooses where no draft pays): every chain method but the ones that draft
+    otherwise — ``amusd`` (during verification), ``cd`` / ``scd`` (the amateur scores every token),
+    ``tree`` and ERSD with ``candidates`` > 1 (a tree) — and ``ar``, which never drafts."""
+    return name not in ("ar", "amusd", "cd", "scd", "tree") and not (name == "ersd" and candidates > 1)
 
 
 def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: float = 0.5) -> Policy:
     """A draft-length policy by name (see :mod:`quickdraft.decoding.policies`).
 
     ``k`` is the draft length of ``constant``, the first draft length of ``heuristic`` and the
-    most tokens per step of ``confidence``, ``specdecpp`` and ``cost``; ``stop_threshold`` is
+    most tokens per step of ``confidence``, ``specdecpp`` and ``cost`` (``auto``: ``cost`` here;
+    :func:`build_method` resolves it by method); ``stop_threshold`` is
     ``p_min`` of ``confidence`` and the threshold ``h`` of ``specdecpp``. ``cost`` gets the
     backend's measured forward costs from the pipeline that runs it
     (:meth:`quickdraft.pipeline.Pipeline.ready_policy`).
@@ -84,7 +94,7 @@ def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: f
         return policies.Heuristic(initial_k=k, max_k=max(k, 16))
     if policy == "confidence":
         return policies.Confidence(p_min=stop_threshold, max_k=k)
-    if policy == "cost":
+    if policy in ("cost", "auto"):
         return policies.CostAware(max_k=k)
     if policy == "specdecpp":
         if head is None:
@@ -162,11 +172,13 @@ def build_method(
                            use_raw=fsd_raw,
                            hybrid=hybrid, greedy_drafts=greedy_drafts)
 
+    if policy == "auto":  # the cost policy where a step may be a plain step
+        policy = "cost" if may_skip_drafting(name, candidates) else "constant"
     pol = build_policy(policy, k, head, stop_threshold)
-    if policy == "cost" and name in ("ar", "amusd", "cd", "scd", "tree"):
+    if policy == "cost" and not may_skip_drafting(name, candidates):
         raise QuickdraftError(f"--policy cost chooses between drafting a chain and a plain step; {name} has no such "
                               "choice (use it with sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, fsd, typical, "
-                              "lantern or ersd)")
+                              "lantern or ersd with one candidate)")
     if name == "ar":
         return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
     if name == "amusd":  # the draft model drafts the next block during verification

@@ -138,3 +138,40 @@ def _list_command(
         Console().print(table)
 
     _run_cli(action)
+
+
+@models_app.command("costs")
+def _costs_command(
+    clear: bool = typer.Option(False, "--clear", help="Forget every measurement (the next run measures again)."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Cache root (default: $QUICKDRAFT_CACHE or ~/.cache/quickdraft)."
+    ),
+) -> None:
+    """The forward costs the cost policy measured, per machine and pair (`--policy cost` / `auto`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from quickdraft.backends.costs import COST_CACHE_FILE, CostCache
+
+    def action() -> None:
+        store = CostCache(_cache(cache_dir) / COST_CACHE_FILE)
+        if clear:
+            typer.echo(f"forgot {store.clear()} measurement(s) in {store.path}")
+            return
+        table = Table(title=f"measured step costs ({store.path})")
+        for column in ("measured", "machine", "target", "draft", "target ms over 1, 2, … tokens", "draft ms"):
+            table.add_column(column, overflow="fold")
+
+        def weights(runner: dict | None) -> str:
+            return "-" if runner is None else f"{Path(runner['weights']['path']).name} ({runner['runtime']})"
+
+        for entry in store.entries().values():
+            key, machine = entry.get("key", {}), entry.get("key", {}).get("machine", {})
+            table.add_row(
+                str(entry.get("measured_at", "?")),
+                f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {' '.join(machine.get('isa', []))}",
+                weights(key.get("target")), weights(key.get("draft")),
+                " ".join(f"{1e3 * t:.0f}" for t in entry.get("target", [])), f"{1e3 * entry.get('draft', 0):.0f}")
+        Console().print(table)
+
+    _run_cli(action)

@@ -24,7 +24,7 @@ from quickdraft.decoding.phrase import PhraseConfig, PhraseDrafter
 from quickdraft.decoding.policies import Constant, CostAware, Policy
 from quickdraft.decoding.retrieval import RetrievalDrafter, RetrievalIndex
 from quickdraft.verification.rules import Fuzzy, Latent, LatentNeighbourhoods, Rule
-from quickdraft.backends.costs import StepCost, measure_step_cost
+from quickdraft.backends.costs import CostCache, StepCost, cost_key, measure_step_cost
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 from quickdraft.decoding.tree import TreeConfig
@@ -459,15 +459,28 @@ class Pipeline:
         costs = self.step_costs(policy.max_k)
         return dataclasses.replace(policy, costs=costs.without_draft() if method in ("ngram", "rest") else costs)
 
-    def step_costs(self, max_k: int = 8) -> StepCost:
-        """The target's forward costs over 1 … ``max_k + 1`` tokens and the draft's over one, measured
-        once on this pipeline's runners after a 128-token context
+    def step_costs(self, max_k: int = 8, *, cache: CostCache | None | bool = True, refresh: bool = False) -> StepCost:
+        """The target's forward costs over 1 … ``max_k + 1`` tokens and the draft's over one.
+
+        Measured on this pipeline's runners after a 128-token context
         (:func:`quickdraft.backends.costs.measure_step_cost`, median of 3 rounds; about 11 s for the
-        default pair on llama.cpp on two AVX2 cores) and kept."""
-        if self._step_costs is None or len(self._step_costs.target) < max_k + 1:
+        default pair on llama.cpp on two AVX2 cores) and kept for the pipeline's life. ``cache``: a
+        :class:`~quickdraft.backends.costs.CostCache` that keeps them across processes, keyed by
+        the machine and the runners (:func:`~quickdraft.backends.costs.cost_key`); ``True``: the
+        one in the model cache; ``False`` or ``None``: none. ``refresh``: measure again (and store).
+        """
+        if not refresh and self._step_costs is not None and len(self._step_costs.target) >= max_k + 1:
+            return self._step_costs
+        store = CostCache.default() if cache is True else (cache or None)
+        key = cost_key(self.target, self.draft) if store is not None else None
+        cost = None if key is None or refresh else store.get(key, max_k)
+        if cost is None:
             context = [(7 * i + 11) % min(self.vocab_size, 1000) for i in range(128)]
-            self._step_costs = measure_step_cost(self.target, self.draft, context, max_k, repeats=3)
-        return self._step_costs
+            cost = measure_step_cost(self.target, self.draft, context, max_k, repeats=3)
+            if key is not None:
+                store.put(key, cost)
+        self._step_costs = cost
+        return cost
 
     # -- generation ------------------------------------------------------------------------------
     def generate(

@@ -9,13 +9,25 @@ a compute-bound one (llama.cpp or OpenVINO on two AVX2 cores) it grows with ``k`
 (:mod:`quickdraft.adaptive.replay`) models decode time with them, and
 :class:`quickdraft.decoding.policies.CostAware` drafts the length that maximises tokens per second
 under them.
+
+Measuring takes seconds (about 11 s for the default pair on llama.cpp on two AVX2 cores), so
+:class:`CostCache` keeps what was measured in the model cache, keyed by :func:`cost_key`: the
+machine (CPU model, the ISA extensions the runtimes dispatch on, cores) and what each runner says
+decides its speed (``runner.cost_identity()``: weights file, weight format, runtime version,
+threads, settings). A pipeline then measures once per machine, backend and pair.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from statistics import median
 from typing import Sequence
 
@@ -82,3 +94,128 @@ def measure_step_cost(target, draft, context: Sequence[int], max_k: int, repeats
         if draft is not None:
             draft_times.append(run(draft, 1))
     return StepCost(target=tuple(median(t) for t in target_times), draft=median(draft_times) if draft_times else 0.0)
+
+
+#: the file in the model cache (:func:`quickdraft.models.default_cache_dir`) that keeps measured step costs
+COST_CACHE_FILE = "step_costs.json"
+
+#: the ISA extensions the runtimes' CPU kernels dispatch on (``/proc/cpuinfo`` flag names)
+ISA_FLAGS = frozenset({
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+    "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
+})
+
+
+def machine_identity(cpuinfo: str | None = None) -> dict:
+    """The CPU model, its ISA extensions among :data:`ISA_FLAGS` and the cores this process may use.
+
+    >>> info = "model name : AMD EPYC\\nflags : fpu sse2 avx fma avx2\\n"
+    >>> {k: v for k, v in machine_identity(info).items() if k != "cores"}
+    {'cpu': 'AMD EPYC', 'isa': ['avx', 'avx2', 'fma']}
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():  # the first processor's fields
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
+            "isa": sorted(ISA_FLAGS & set(fields.get("flags", "").split())), "cores": cores}
+
+
+def path_identity(path: str | os.PathLike[str]) -> dict | None:
+    """A file's (or a directory's files') resolved path, sizes and modification times; ``None`` for
+    a path that does not exist (a model built in memory)."""
+    if not os.fspath(path):  # no name: Path("") would be the working directory
+        return None
+    path = Path(path).expanduser()
+    if not path.exists():
+        return None
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    return {"path": str(path.resolve()),
+            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
+def cost_key(target, draft) -> dict | None:
+    """What a pipeline's step costs depend on: :func:`machine_identity` and each runner's
+    ``cost_identity()``; ``None`` where a runner cannot say (a model without files): not cached."""
+    key: dict = {"machine": machine_identity()}
+    for name, runner in (("target", target), ("draft", draft)):
+        if runner is None:
+            key[name] = None
+            continue
+        identity = getattr(runner, "cost_identity", lambda: None)()
+        if identity is None:
+            return None
+        key[name] = identity
+    return key
+
+
+def _files_exist(entry) -> bool:
+    try:
+        runners = [entry["key"][name] for name in ("target", "draft")]
+        return all(r is None or Path(r["weights"]["path"]).exists() for r in runners)
+    except (KeyError, TypeError):
+        return False
+
+
+class CostCache:
+    """Measured :class:`StepCost` s in one JSON file, one entry per :func:`cost_key`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def default(cls) -> "CostCache":
+        """The cache in the model cache directory (``$QUICKDRAFT_CACHE``, else ``~/.cache/quickdraft``)."""
+        from quickdraft.models import default_cache_dir
+
+        return cls(default_cache_dir() / COST_CACHE_FILE)
+
+    @staticmethod
+    def digest(key: dict) -> str:
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+    def entries(self) -> dict[str, dict]:
+        """Every entry by digest (``key``, ``target`` and ``draft`` seconds, ``measured_at``); an
+        unreadable file reads as empty (it is measured again and rewritten)."""
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: dict, max_k: int) -> StepCost | None:
+        """The costs stored for ``key`` if they cover target forwards of ``max_k + 1`` tokens."""
+        entry = self.entries().get(self.digest(key))
+        try:
+            if entry is None or entry["key"] != json.loads(json.dumps(key)):
+                return None
+            cost = StepCost(target=tuple(float(t) for t in entry["target"]), draft=float(entry["draft"]))
+        except (KeyError, TypeError, ValueError, QuickdraftError):
+            return None
+        return cost if len(cost.target) >= max_k + 1 else None
+
+    def put(self, key: dict, cost: StepCost) -> None:
+        """Store ``cost`` for ``key`` (one atomic rewrite of the file); entries whose models' files
+        are gone are dropped."""
+        data = {digest: entry for digest, entry in self.entries().items() if _files_exist(entry)}
+        data[self.digest(key)] = {
+            "key": key, "target": list(cost.target), "draft": cost.draft,
+            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+    def clear(self) -> int:
+        """Remove every entry; returns how many there were."""
+        n = len(self.entries())
+        self.path.unlink(missing_ok=True)
+        return n

@@ -154,6 +154,8 @@ class LlamaGGUF:
         mparams.n_gpu_layers = 0
         if hasattr(mparams, "use_extra_bufts"):
             mparams.use_extra_bufts = False if exact else (default_repack() if repack is None else bool(repack))
+        #: whether llama.cpp may repack the weights (None: this llama.cpp cannot)
+        self.repack = bool(mparams.use_extra_bufts) if hasattr(mparams, "use_extra_bufts") else None
         self.model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self.model:
             raise QuickdraftError(f"llama.cpp could not load {path}")
@@ -298,6 +300,16 @@ class LlamaCppRunner:
         self.model = SimpleNamespace(config=config, generation_config=generation_config, name_or_path=str(path))
         self.num_forwards = 0
         self.reset(0)
+
+    def cost_identity(self) -> dict | None:
+        """What decides this runner's forward times (:func:`quickdraft.backends.costs.cost_key`)."""
+        from quickdraft.backends.costs import path_identity
+
+        weights = path_identity(self.gguf.path)
+        version = getattr(self.gguf.lib, "__version__", None)
+        return None if weights is None else {
+            "runtime": f"llama.cpp {version}", "weights": weights, "threads": self.gguf.n_threads,
+            "batch": self.gguf.n_batch, "repack": self.gguf.repack, "exact": self.exact}
 
     # -- state -----------------------------------------------------------------------------------
     def reset(self, batch_size: int) -> None:

@@ -73,6 +73,20 @@ class ModelRunner:
         self.record_hidden = False
         self.reset(0)
 
+    def cost_identity(self) -> dict | None:
+        """What decides this runner's forward times (:func:`quickdraft.backends.costs.cost_key`):
+        the weights' files, their dtypes and the layers' kinds (quantised or packed), torch's
+        version and threads; ``None`` for a model without files."""
+        from quickdraft.backends.costs import path_identity
+
+        weights = path_identity(getattr(self.model, "name_or_path", "") or "")
+        if weights is None:
+            return None
+        return {"runtime": f"torch {torch.__version__}", "weights": weights, "device": str(self.device),
+                "dtypes": sorted({str(p.dtype) for p in self.model.parameters()}),
+                "layers": sorted({type(m).__name__ for m in self.model.modules() if not list(m.children())}),
+                "threads": torch.get_num_threads()}
+
     # -- state -----------------------------------------------------------------------------------
     def reset(self, batch_size: int) -> None:
         self.cache = DynamicCache(config=self.model.config)

@@ -347,7 +347,7 @@ class CostAware(Policy):
     may_skip = True
 
     def __post_init__(self) -> None:
-        _check_k(self.max_k, "max_k")
+        _check_k(self.max_k, "longest draft length max_k")
         for value, what in ((self.prior, "prior"), (self.probe_alpha, "probe_alpha")):
             if not 0.0 < value < 1.0:
                 raise QuickdraftError(f"{what} must be in (0, 1), got {value!r}")
@@ -429,7 +429,7 @@ class Confidence(Policy):
     def __post_init__(self) -> None:
         if not (0.0 <= float(self.p_min) <= 1.0):
             raise QuickdraftError(f"p_min must be in [0, 1], got {self.p_min!r}")
-        _check_k(self.max_k, "max_k")
+        _check_k(self.max_k, "longest draft length max_k")
         _check_batch_rule(self.batch_rule)
         self.needs_hidden = self.output_head is not None
 
@@ -496,7 +496,7 @@ class SpecDecPP(Policy):
         if not (0.0 <= float(self.threshold) <= 1.0):
             raise QuickdraftError(f"threshold h must be in [0, 1], got {self.threshold!r}")
         _check_k(self.min_k, "min_k")
-        _check_k(self.max_k, "max_k")
+        _check_k(self.max_k, "longest draft length max_k")
         if self.min_k > self.max_k:
             raise QuickdraftError(f"need min_k <= max_k, got {self.min_k} > {self.max_k}")
         _check_batch_rule(self.batch_rule)

@@ -51,7 +51,7 @@ class SpeculativeSettings(BaseModel):
 
     method: str | None = None
     k: int | None = Field(default=None, ge=1, le=MAX_DRAFT_LENGTH)
-    policy: Literal["constant", "heuristic", "confidence", "specdecpp", "cost"] | None = None
+    policy: Literal["constant", "heuristic", "confidence", "specdecpp", "cost", "auto"] | None = None
     threshold: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     divergence: str | None = None
     hybrid: bool | None = None

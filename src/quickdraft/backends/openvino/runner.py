@@ -242,6 +242,16 @@ class OpenVINORunner:
         self.infer_seconds = 0.0
         self.reset(0)
 
+    def cost_identity(self) -> dict | None:
+        """What decides this runner's forward times (:func:`quickdraft.backends.costs.cost_key`)."""
+        from quickdraft.backends.costs import path_identity
+
+        weights = path_identity(self.path)
+        return None if weights is None else {
+            "runtime": f"openvino {import_openvino().get_version()}", "weights": weights,
+            "plugin": {k: str(v) for k, v in self.plugin_config.items()},
+            "head": None if self.head_ids is None else int(len(self.head_ids))}
+
     # -- state -----------------------------------------------------------------------------------
     def reset(self, batch_size: int) -> None:
         """Empty the cache for ``batch_size`` rows."""

@@ -1,0 +1,120 @@
+"""The measured step costs of the cost policy: the machine's identity, each runner's, the cache
+that keeps them across processes, and ``--policy auto``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quickdraft.backends import costs as costs_module
+from quickdraft.backends.costs import CostCache, StepCost, cost_key, machine_identity
+from quickdraft.backends.runner import ModelRunner
+from quickdraft.decoding.policies import Constant, CostAware
+from quickdraft.errors import QuickdraftError
+from quickdraft.methods import build_method
+from quickdraft.pipeline import Pipeline
+
+from conftest import tiny_lm, word_tokenizer
+
+AVX2 = "processor : 0\nmodel name : AMD EPYC\nflags : fpu sse2 avx fma f16c avx2\n\nprocessor : 1\n"
+AVX512 = "model name : Intel Xeon\nflags : avx avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile\n"
+
+
+def test_the_machine_is_its_cpu_and_the_isa_the_kernels_dispatch_on():
+    amd, intel = machine_identity(AVX2), machine_identity(AVX512)
+    assert amd["cpu"] == "AMD EPYC" and amd["isa"] == ["avx", "avx2", "f16c", "fma"]
+    assert intel["isa"] == ["amx_tile", "avx", "avx2", "avx512_bf16", "avx512_vnni", "avx512f", "fma"]
+    assert amd["cores"] >= 1 and machine_identity("")["isa"] == []
+
+
+def saved_runner(tmp_path, name: str, seed: int) -> ModelRunner:
+    """A tiny model saved to (once) and loaded from ``tmp_path / name``: a runner with files."""
+    from transformers import AutoModelForCausalLM
+
+    if not (tmp_path / name).is_dir():
+        tiny_lm(seed=seed).save_pretrained(tmp_path / name)
+    return ModelRunner(AutoModelForCausalLM.from_pretrained(tmp_path / name).eval(), name)
+
+
+def test_a_runner_says_what_decides_its_speed(tmp_path, monkeypatch):
+    runner = saved_runner(tmp_path, "target", 0)
+    identity = runner.cost_identity()
+    assert identity["weights"]["path"] == str((tmp_path / "target").resolve())
+    assert "model.safetensors" in [name for name, _, _ in identity["weights"]["files"]]
+    assert identity["dtypes"] == ["torch.float32"] and identity["runtime"].startswith("torch ")
+    assert ModelRunner(tiny_lm(seed=0)).cost_identity() is None  # built in memory: no files to name
+    monkeypatch.setattr(costs_module.torch, "get_num_threads", lambda: 97)
+    assert runner.cost_identity()["threads"] == 97  # another thread count is another key
+    assert cost_key(runner, None)["draft"] is None
+    assert cost_key(runner, ModelRunner(tiny_lm(seed=1))) is None
+
+
+def test_the_cache_keeps_costs_per_key(tmp_path):
+    store = CostCache(tmp_path / "cache" / "step_costs.json")
+    key = {"machine": machine_identity(AVX2), "target": {"weights": {"path": str(tmp_path)}}, "draft": None}
+    cost = StepCost(target=(0.05, 0.06, 0.08), draft=0.02)
+    assert store.get(key, 2) is None
+    store.put(key, cost)
+    assert store.get(key, 2) == cost and store.get(key, 1) == cost
+    assert store.get(key, 3) is None  # does not cover a 4-token verification
+    other = {**key, "machine": machine_identity(AVX512)}
+    assert store.get(other, 1) is None
+    store.put(other, StepCost(target=(0.03, 0.031, 0.032), draft=0.01))
+    assert store.get(key, 2) == cost and len(store.entries()) == 2
+    entry = store.entries()[CostCache.digest(key)]
+    assert entry["measured_at"] and entry["key"] == key
+    # an entry whose model is gone is dropped at the next write
+    gone = {**key, "target": {"weights": {"path": str(tmp_path / "deleted")}}}
+    store.put(gone, cost)
+    store.put(key, cost)
+    assert CostCache.digest(gone) not in store.entries() and len(store.entries()) == 2
+    # a damaged file reads as empty, and is rewritten by the next measurement
+    store.path.write_text("{not json")
+    assert store.entries() == {} and store.get(key, 1) is None
+    store.put(key, cost)
+    assert json.loads(store.path.read_text())[CostCache.digest(key)]["draft"] == 0.02
+    assert store.clear() == 1 and not store.path.exists()
+
+
+def test_a_pipeline_measures_once_per_machine_and_pair(tmp_path, monkeypatch):
+    """The first pipeline measures and stores; a second one on the same files reads the cache; a
+    refresh measures again; ``cache=False`` neither reads nor writes."""
+    calls = []
+    real = costs_module.measure_step_cost
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("quickdraft.pipeline.measure_step_cost", counting)
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+
+    def pipeline() -> Pipeline:
+        target, draft = saved_runner(tmp_path, "t", 0), saved_runner(tmp_path, "d", 1)
+        return Pipeline(target.model, word_tokenizer(), draft.model, target_runner=target, draft_runner=draft)
+
+    first = pipeline().step_costs(3)
+    assert calls == [3] and (tmp_path / "cache" / "step_costs.json").is_file()
+    second = pipeline()
+    assert second.step_costs(3) == first and second.step_costs(2) == first and calls == [3]
+    assert second.step_costs(5) != first and calls == [3, 5]  # a longer draft: measured again
+    assert len(pipeline().step_costs(5).target) == 6 and calls == [3, 5]
+    pipeline().step_costs(3, refresh=True)
+    assert calls == [3, 5, 3]
+    pipeline().step_costs(3, cache=False)
+    assert calls == [3, 5, 3, 3]
+    policy = pipeline().ready_policy(CostAware(max_k=3), "sd")
+    assert policy.costs is not None and len(policy.costs.target) >= 4 and calls == [3, 5, 3, 3]
+
+
+def test_auto_is_the_cost_policy_where_a_step_may_be_plain():
+    for name in ("sd", "ngram", "ngram_sd", "rest", "rest_sd", "phrase_sd", "fsd", "typical", "lantern", "ersd"):
+        spec = build_method(name, k=6, policy="auto")
+        assert isinstance(spec.policy, CostAware) and spec.policy.max_k == 6, name
+    for name, options in (("ar", {}), ("amusd", {}), ("cd", {}), ("scd", {}), ("tree", {}),
+                          ("ersd", {"candidates": 2})):
+        spec = build_method(name, k=3, policy="auto", **options)
+        assert isinstance(spec.policy, Constant) and spec.policy.k == 3, name
+    with pytest.raises(QuickdraftError, match="policy cost chooses"):
+        build_method("ersd", policy="cost", candidates=2)

@@ -118,3 +118,21 @@ def test_auto_is_the_cost_policy_where_a_step_may_be_plain():
         assert isinstance(spec.policy, Constant) and spec.policy.k == 3, name
     with pytest.raises(QuickdraftError, match="policy cost chooses"):
         build_method("ersd", policy="cost", candidates=2)
+
+
+def test_the_command_lists_and_forgets_the_measurements(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from quickdraft.cli import app
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
+    (tmp_path / "pair").mkdir()
+    runner = {"runtime": "llama.cpp 0.3.36", "weights": {"path": str(tmp_path / "pair" / "model.gguf")}}
+    key = {"machine": machine_identity(AVX2), "target": runner, "draft": None}
+    CostCache.default().put(key, StepCost(target=(0.056, 0.09, 0.125), draft=0.0))
+    listed = CliRunner().invoke(app, ["models", "costs"], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0, listed.output
+    assert "AMD EPYC" in listed.output and "56 90 125" in listed.output and "pair/model.gguf" in listed.output
+    cleared = CliRunner().invoke(app, ["models", "costs", "--clear"])
+    assert cleared.exit_code == 0 and "forgot 1 measurement" in cleared.output
+    assert CostCache.default().entries() == {}

@@ -163,7 +163,8 @@ def _costs_command(
             table.add_column(column, overflow="fold")
 
         def weights(runner: dict | None) -> str:
-            return "-" if runner is None else f"{Path(runner['weights']['path']).name} ({runner['runtime']})"
+            path = Path(runner["weights"]["path"]) if runner else None
+            return "-" if path is None else f"{path.parent.name}/{path.name} ({runner['runtime']})"
 
         for entry in store.entries().values():
             key, machine = entry.get("key", {}), entry.get("key", {}).get("machine", {})

@@ -12,7 +12,7 @@ import torch
 from quickdraft.decoding.drafters import ModelDrafter
 from quickdraft.decoding.engine import generate
 from quickdraft.errors import QuickdraftError
-from quickdraft.decoding.policies import Confidence, Constant, Heuristic, SpecDecPP
+from quickdraft.decoding.policies import Confidence, Constant, CostAware, Heuristic, SpecDecPP
 from quickdraft.adaptive.replay import clairvoyant, draft_chains, race_proposer, walk
 from quickdraft.backends.costs import StepCost, measure_step_cost
 from quickdraft.verification.rules import ExponentialRace
@@ -44,33 +44,49 @@ def test_walk_counts_steps_by_hand():
 def test_walk_rejects_bad_input():
     with pytest.raises(QuickdraftError, match="match length"):
         walk(4, [1, 1], lambda j: 1)
-    with pytest.raises(QuickdraftError, match="at least one token"):
-        walk(2, [0, 0], lambda j: 0)
+    with pytest.raises(QuickdraftError, match=">= 0"):
+        walk(2, [0, 0], lambda j: -1)
+    with pytest.raises(QuickdraftError, match="min_k"):
+        clairvoyant(2, [0, 0], COST, 2, min_k=3)
     with pytest.raises(QuickdraftError, match="verification"):
         COST.step(7)
     with pytest.raises(QuickdraftError, match="positive"):
         StepCost(target=(), draft=0.1)
 
 
-def _brute_force(n, match, cost, max_k, j=1):  # from the first token after the prefill's
+def test_a_plain_step_emits_one_token_and_tells_the_policy():
+    """A choice of 0 is a plain step: one target forward over one token, no draft, and the policy
+    hears ``update(0, 0)``; a draft cut to nothing by the end of the output is not reported."""
+    heard = []
+    r = walk(6, [3, 3, 0, 0, 0, 0], lambda j: 0 if j < 3 else 2, COST, update=lambda k, a: heard.append((k, a)))
+    # starts 1, 2 plain; 3: 2 drafts, none accepted; 4: 1 draft (cut by the end); 5: none left
+    assert (r.steps, r.drafted, r.accepted, r.lengths) == (5, 3, 0, [0, 0, 2, 1, 0])
+    assert r.seconds == pytest.approx(2 * (1.0 + 0.02) + (2 * 0.3 + 1.1 + 0.02) + (0.3 + 1.05 + 0.02) + (1.0 + 0.02))
+    assert heard == [(0, 0), (0, 0), (2, 0), (1, 0)]
+
+
+def _brute_force(n, match, cost, max_k, j=1, min_k=1):  # from the first token after the prefill's
     if j >= n:
         return 0.0
-    drafts = {min(k, n - j - 1) for k in range(1, max_k + 1)}  # the engine drafts no more than is left
-    return min(cost.step(k) + _brute_force(n, match, cost, max_k, j + min(match[j], k) + 1) for k in drafts)
+    drafts = {min(k, n - j - 1) for k in range(min_k, max_k + 1)}  # the engine drafts no more than is left
+    return min(cost.step(k) + _brute_force(n, match, cost, max_k, j + min(match[j], k) + 1, min_k) for k in drafts)
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_clairvoyant_equals_brute_force_and_beats_every_fixed_k(seed):
+@pytest.mark.parametrize("min_k", [1, 0])
+def test_clairvoyant_equals_brute_force_and_beats_every_fixed_k(seed, min_k):
     rng = random.Random(seed)
     n, max_k = 9, 4
     match = [rng.choice([0, 0, 1, 2, 4, 6]) for _ in range(n)]
-    best = clairvoyant(n, match, COST, max_k)
-    assert best.seconds == pytest.approx(_brute_force(n, match, COST, max_k))
-    fixed = [walk(n, match, lambda j, k=k: k, COST).seconds for k in range(1, max_k + 1)]
+    best = clairvoyant(n, match, COST, max_k, min_k=min_k)
+    assert best.seconds == pytest.approx(_brute_force(n, match, COST, max_k, min_k=min_k))
+    fixed = [walk(n, match, lambda j, k=k: k, COST).seconds for k in range(min_k, max_k + 1)]
     assert best.seconds <= min(fixed) + 1e-12
     # and it is no better than brute force over every per-start choice (the bound is attained)
-    choices = itertools.product(range(1, max_k + 1), repeat=n)
+    choices = itertools.product(range(min_k, max_k + 1), repeat=n)
     assert min(walk(n, match, lambda j, c=c: c[j], COST).seconds for c in choices) == pytest.approx(best.seconds)
+    if min_k == 0:  # plain steps can only help
+        assert best.seconds <= clairvoyant(n, match, COST, max_k).seconds + 1e-12
 
 
 def _engine_run(target_model, draft_model, prompt, policy, n, rule=None, sampling=SamplingParams(temperature=0.0)):
@@ -115,6 +131,15 @@ def test_replay_reproduces_the_engine_step_by_step(tiny_target, tiny_draft, prom
     seq, metrics = _engine_run(tiny_target, tiny_draft, prompt, Heuristic(initial_k=2, max_k=8), n)
     r = walk(n, table.match, lambda j: pol.begin_step(), update=lambda k, a: pol.update(k, torch.tensor([a])))
     assert (r.steps, r.drafted) == (metrics.steps, metrics.drafted_tokens)
+    # the cost policy, stateful and free to make plain steps: a curve where one draft token pays
+    # only at a high acceptance rate, so that the run mixes plain steps, probes and drafts
+    costs = StepCost(target=(1.0, 1.3, 1.5, 1.7, 1.9, 2.1, 2.3, 2.5, 2.7), draft=0.12)
+    pol = CostAware(max_k=8, costs=costs)
+    seq, metrics = _engine_run(tiny_target, tiny_draft, prompt, CostAware(max_k=8, costs=costs), n)
+    r = walk(n, table.match, lambda j: pol.begin_step(), costs,
+             update=lambda k, a: pol.update(k, torch.tensor([a])))
+    assert seq == output and (r.steps, r.drafted) == (metrics.steps, metrics.drafted_tokens)
+    assert 0 in r.lengths and max(r.lengths) > 0, r.lengths
 
 
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95)

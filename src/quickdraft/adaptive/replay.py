@@ -79,9 +79,11 @@ def walk(
     ----------
     n_tokens: length of the output (``max_new_tokens`` or up to EOS).
     match: ``match[j]``, leading draft tokens from start ``j`` equal to the output.
-    choose: ``choose(j) -> k``, the draft length of the step that starts at ``j``.
+    choose: ``choose(j) -> k``, the draft length of the step that starts at ``j``; 0 is a plain
+        step (a policy that may skip drafting, :class:`~quickdraft.decoding.policies.CostAware`).
     cost: optional; without it ``seconds`` stays 0.
-    update: optional ``update(k, accepted)`` after each step (stateful policies such as Heuristic).
+    update: optional ``update(k, accepted)`` after each step (stateful policies such as Heuristic
+        and CostAware; after a plain step the policy chose, ``update(0, 0)``).
     first: tokens emitted before the first step: the engine's prefill emits one.
 
     A step drafts ``k = min(choose(j), n_tokens - j - 1)`` tokens (as the engine, it drafts no more
@@ -96,10 +98,10 @@ def walk(
     res = ReplayResult()
     j = min(int(first), n_tokens)
     while j < n_tokens:
-        k = int(choose(j))
-        if k < 1:
-            raise QuickdraftError(f"a step must draft at least one token, got {k} at start {j}")
-        k = min(k, n_tokens - j - 1)
+        chosen = int(choose(j))
+        if chosen < 0:
+            raise QuickdraftError(f"a draft length must be >= 0 (0: a plain step), got {chosen} at start {j}")
+        k = min(chosen, n_tokens - j - 1)
         a = min(int(match[j]), k)
         res.steps += 1
         res.drafted += k
@@ -107,16 +109,17 @@ def walk(
         res.lengths.append(k)
         if cost is not None:
             res.seconds += cost.step(k)
-        if update is not None and k > 0:  # a step drafting nothing does not ask the policy
+        if update is not None and (k > 0 or chosen == 0):  # a draft cut to nothing by the end does not
             update(k, a)
         j += a + 1
     res.new_tokens = n_tokens
     return res
 
 
-def clairvoyant(n_tokens: int, match: Sequence[int], cost: StepCost, max_k: int) -> ReplayResult:
-    """The least decode time any draft-length policy with ``1 <= k <= max_k`` can reach on this
+def clairvoyant(n_tokens: int, match: Sequence[int], cost: StepCost, max_k: int, min_k: int = 1) -> ReplayResult:
+    """The least decode time any draft-length policy with ``min_k <= k <= max_k`` can reach on this
     output: a dynamic programme over starts that knows ``match`` (how far the draft is right).
+    ``min_k = 0`` admits plain steps (the choices of a policy that may skip drafting).
 
     ``V(j) = min_k cost(k') + V(min(n, j + min(match[j], k') + 1))``, ``V(n) = 0``, with
     ``k' = min(k, n - j - 1)`` the draft :func:`walk` (and the engine) makes; the walk starts at
@@ -124,11 +127,13 @@ def clairvoyant(n_tokens: int, match: Sequence[int], cost: StepCost, max_k: int)
     draft can do better (its choices are among those tried).
     """
     _check_match(match, n_tokens)
+    if not 0 <= min_k <= max_k:
+        raise QuickdraftError(f"need 0 <= min_k <= max_k, got {min_k} and {max_k}")
     best = [0.0] * (n_tokens + 1)
-    choice = [1] * n_tokens
+    choice = [min_k] * n_tokens
     for j in range(n_tokens - 1, 0, -1):
         options = []
-        for k in range(1, max_k + 1):
+        for k in range(min_k, max_k + 1):
             drafted = min(k, n_tokens - j - 1)  # walk's cap by the tokens left
             options.append((cost.step(drafted) + best[min(n_tokens, j + min(int(match[j]), drafted) + 1)], k))
         best[j], choice[j] = min(options)

@@ -8,9 +8,11 @@ costs of committed replay results (``benchmarks/studies/replay_adaptive.py``) an
 every fixed K = 1 … ``max_k``, the cost policy at ``max_k``, and the clairvoyant optimum over
 1 … ``max_k`` (the bound of the SpecDec++ goal) and over 0 … ``max_k`` (plain steps admitted, the
 choices the cost policy has), all from the first token after the prefill's, as the engine runs.
-``--variants`` adds the policy with other settings (``VARIANTS``: studied, not adopted).
+``--variants`` adds the policy with other settings (``VARIANTS``: studied, not adopted);
+``--cost-max-k 4`` the policy drafting at most 4 tokens (``cost_max4``: ``quickdraft generate``'s
+default, ``--k 4`` under ``--policy auto``).
 
-    python benchmarks/studies/replay_cost_policy.py --variants --out benchmarks/results/replay_cost_policy.json
+    python benchmarks/studies/replay_cost_policy.py --variants --cost-max-k 4 --out benchmarks/results/replay_cost_policy.json
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ def step_cost(meta: dict) -> StepCost:
     return StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"], overhead=sc.get("overhead_per_step", 0.0))
 
 
-def replay_output(n: int, match: list[int], cost: StepCost, max_k: int, variants: bool = False) -> dict[str, dict]:
+def replay_output(n: int, match: list[int], cost: StepCost, max_k: int, variants: bool = False,
+                  cost_max_k: tuple[int, ...] = ()) -> dict[str, dict]:
     runs = {f"fixed_k{k}": walk(n, match, lambda j, k=k: k, cost) for k in range(1, max_k + 1)}
     policies = {"cost": lambda cost, k: CostAware(max_k=k, costs=cost), **(VARIANTS if variants else {})}
+    policies.update({f"cost_max{m}": lambda cost, k, m=m: CostAware(max_k=m, costs=cost) for m in cost_max_k})
     for name, make in policies.items():
         policy = make(cost, max_k)
         runs[name] = walk(n, match, lambda j, p=policy: p.begin_step(), cost,
@@ -91,6 +95,7 @@ def main() -> None:
                         help="replay results of replay_adaptive.py (default: the committed T = 0 and ERSD T = 0.7 "
                              "replays, under their own and the openvino backend's costs)")
     parser.add_argument("--variants", action="store_true", help="also walk the VARIANTS of the policy")
+    parser.add_argument("--cost-max-k", type=int, nargs="*", default=[], help="also the policy at these longest drafts")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     result = {"command": "python " + " ".join(sys.argv), "replays": {}}
@@ -103,7 +108,8 @@ def main() -> None:
                                                "overhead": cost.overhead, "source": meta["step_cost"].get("config")},
                  "datasets": {}}
         for dataset, outputs in replay["outputs"].items():
-            runs = [replay_output(o["new_tokens"], o["match"], cost, max_k, args.variants) for o in outputs]
+            runs = [replay_output(o["new_tokens"], o["match"], cost, max_k, args.variants, tuple(args.cost_max_k))
+                    for o in outputs]
             entry["datasets"][dataset] = {"summary": summarise(runs),
                                           "outputs": [{"prompt_id": o["prompt_id"], "runs": r}
                                                       for o, r in zip(outputs, runs)]}
@@ -114,7 +120,9 @@ def main() -> None:
                   f"({'-' if share is None else f'{share:.0%}'} of the bound {s['gain_over_best_fixed']['clairvoyant']:+.1%}; "
                   f"with plain steps {s['gain_over_best_fixed']['clairvoyant_plain']:+.1%}); "
                   f"plain steps {s['cost_plain_steps']} of {s['steps']['cost']}, mean draft {s['cost_mean_draft_len']:.2f}"
-                  + "".join(f"; {n} {g:+.1%}" for n, g in s["gain_over_best_fixed"].items() if n in VARIANTS))
+                  + "".join(f"; {n} {g:+.1%}" for n, g in s["gain_over_best_fixed"].items() if n in VARIANTS)
+                  + "".join(f"; cost_max{m} {s['tokens_per_s'][f'cost_max{m}'] / s['tokens_per_s'][f'fixed_k{m}']:.3f}x "
+                            f"fixed K = {m}" for m in args.cost_max_k))
         result["replays"][path.name] = entry
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -136,3 +136,25 @@ def test_the_command_lists_and_forgets_the_measurements(tmp_path, monkeypatch):
     cleared = CliRunner().invoke(app, ["models", "costs", "--clear"])
     assert cleared.exit_code == 0 and "forgot 1 measurement" in cleared.output
     assert CostCache.default().entries() == {}
+
+
+def test_generate_drafts_under_the_cost_policy_by_default(monkeypatch, tiny_target, tiny_draft):
+    """Without ``--policy``, ``generate`` runs the cost policy: under costs where no draft pays it
+    says so, makes plain steps only and prints plain decoding's text."""
+    from typer.testing import CliRunner
+
+    from quickdraft.cli import app
+
+    pipe = Pipeline(tiny_target, word_tokenizer(), tiny_draft)
+    pipe._step_costs = StepCost(target=(1.0, 2.0, 3.0, 4.0, 5.0), draft=1.0)  # as if measured: steep
+    monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *args, **kwargs: pipe))
+    common = ["generate", "w1 w2 w3", "--no-chat", "--max-new-tokens", "12"]
+    result = CliRunner().invoke(app, [*common, "--method", "sd"])
+    assert result.exit_code == 0, result.output
+    assert "policy=cost" in result.output and "measuring this pair's forward costs" in result.output
+    assert "draft forwards 0" in result.output and "nothing drafted (plain steps)" in result.output
+    text = result.output.split("\n--- ")[0].splitlines()[-1]
+    plain = CliRunner().invoke(app, [*common, "--method", "ar"])
+    assert plain.output.split("\n--- ")[0].splitlines()[-1] == text
+    drafted = CliRunner().invoke(app, [*common, "--method", "sd", "--policy", "constant"])
+    assert "policy=constant" in drafted.output and "acceptance by position" in drafted.output

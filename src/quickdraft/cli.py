@@ -381,10 +381,11 @@ def _print_metrics(completion) -> None:
         f"{m.prompt_tokens} prompt tokens), then {m.tokens_per_second:.2f} tok/s for {m.decode_seconds:.2f} s\n"
         f"    target forwards {m.target_forwards}, draft forwards {m.draft_forwards}, "
         f"mean acceptance length {m.mean_acceptance_length:.2f} (incl. bonus), "
-        f"acceptance rate {m.acceptance_rate:.1%}, finish: {completion.finish_reason}"
+        + (f"acceptance rate {m.acceptance_rate:.1%}" if m.drafted_tokens else "nothing drafted (plain steps)")
+        + f", finish: {completion.finish_reason}"
         + (f", lossy share {m.lossy_share:.1%}" if m.lossy_accepted_tokens else "")
-        + "\n    acceptance by position: "
-        + " ".join(f"{r:.2f}" for r in m.acceptance_rate_by_position)
+        + ("\n    acceptance by position: " + " ".join(f"{r:.2f}" for r in m.acceptance_rate_by_position)
+           if m.drafted_tokens else "")
     )
 
 

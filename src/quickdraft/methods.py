@@ -140,6 +140,8 @@ def build_method(
 ) -> MethodSpec:
     """Build the rule and policy of a named method, validating every parameter.
 
+    ``policy`` names a draft-length policy (:data:`POLICY_NAMES`, :func:`build_policy`); ``auto``
+    is ``cost`` where :func:`may_skip_drafting` (the step may be a plain step), else ``constant``.
     FSD and typical acceptance take ``fsd_raw`` (FSD: divergence on the raw temperature-1
     distributions, as the FSD reference; ``False``: on the processed ones), ``divergence_top_k``
     (the k of the ``topk_*`` divergences), ``divergence_top_p`` (the nucleus of the ``topp_*``

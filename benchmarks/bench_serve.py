@@ -2,8 +2,8 @@
 
 Starts ``quickdraft serve`` in a subprocess on 127.0.0.1, then, at each concurrency level (default 1,
 4, 16), runs ``--requests`` streamed completions (at least one per client) twice: with speculative
-decoding (``"speculative": {"method": "sd", "k": K}``) and plain (``"method": "ar"``), through one
-server (the setting is per request). Where ``llama-cpp-python[server]`` is installed and the
+decoding (``"speculative": {"method": "sd", "k": K, "policy": P}`` for each ``--policies`` P, default
+``constant``) and plain (``"method": "ar"``), through one server (the setting is per request). Where ``llama-cpp-python[server]`` is installed and the
 target's GGUF is in the cache, ``python -m llama_cpp.server`` on the same target is measured the
 same way; otherwise that row is skipped with the reason printed and recorded.
 
@@ -67,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=16, help="requests per row (at least one per client)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--policies", nargs="+", default=["constant"],
+                   help="draft-length policies of the sd rows (quickdraft-sd: constant; others quickdraft-sd-<policy>)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default: /v1/completions)")
     p.add_argument("--gguf", default=None, help="target GGUF for the llama.cpp row (default: the cache's)")
     p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1,
@@ -372,7 +374,9 @@ def main() -> None:
     server = ServerProcess(argv, port, Path(tmp.name) / "server.log")
     try:
         for c in args.concurrency:
-            for name, spec in (("quickdraft-sd", {"method": "sd", "k": args.k}), ("quickdraft-ar", {"method": "ar"})):
+            rows = [("quickdraft-sd" if policy == "constant" else f"quickdraft-sd-{policy}",
+                     {"method": "sd", "k": args.k, "policy": policy}) for policy in args.policies]
+            for name, spec in (*rows, ("quickdraft-ar", {"method": "ar"})):
                 row = {"server": name, **run_row(server.url, server.model, prompts, c, args.requests, args.max_tokens,
                                                  spec, args.chat, args.timeout)}
                 record["rows"].append(row)

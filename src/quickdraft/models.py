@@ -807,8 +807,17 @@ def cpu_flags() -> frozenset[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
+    return parse_cpu_flags(text)
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags in a ``/proc/cpuinfo`` text (x86 ``flags``, Arm ``Features`` lines).
+
+    >>> sorted(parse_cpu_flags("model name : AMD EPYC\\nflags : fpu avx2 fma\\n"))
+    ['avx2', 'fma', 'fpu']
+    """
     flags: set[str] = set()
-    for line in text.splitlines():
+    for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features"):
             flags.update(value.split())

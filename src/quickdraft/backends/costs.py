@@ -113,19 +113,18 @@ def machine_identity(cpuinfo: str | None = None) -> dict:
     >>> {k: v for k, v in machine_identity(info).items() if k != "cores"}
     {'cpu': 'AMD EPYC', 'isa': ['avx', 'avx2', 'fma']}
     """
+    from quickdraft.models import parse_cpu_flags
+
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpuinfo = ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():  # the first processor's fields
-        key, sep, value = line.partition(":")
-        if sep and key.strip() not in fields:
-            fields[key.strip()] = value.strip()
+    model = next((value.strip() for key, sep, value in (line.partition(":") for line in cpuinfo.splitlines())
+                  if sep and key.strip() == "model name"), None)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
-            "isa": sorted(ISA_FLAGS & set(fields.get("flags", "").split())), "cores": cores}
+    return {"cpu": model or platform.processor() or platform.machine(),
+            "isa": sorted(ISA_FLAGS & parse_cpu_flags(cpuinfo)), "cores": cores}
 
 
 def path_identity(path: str | os.PathLike[str]) -> dict | None:

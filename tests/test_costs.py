@@ -94,16 +94,19 @@ def test_a_pipeline_measures_once_per_machine_and_pair(tmp_path, monkeypatch):
         target, draft = saved_runner(tmp_path, "t", 0), saved_runner(tmp_path, "d", 1)
         return Pipeline(target.model, word_tokenizer(), draft.model, target_runner=target, draft_runner=draft)
 
-    first = pipeline().step_costs(3)
+    heard = []
+    first = pipeline().step_costs(3, on_measure=heard.append)
     assert calls == [3] and (tmp_path / "cache" / "step_costs.json").is_file()
+    assert [store.path for store in heard] == [tmp_path / "cache" / "step_costs.json"]  # told before measuring
     second = pipeline()
-    assert second.step_costs(3) == first and second.step_costs(2) == first and calls == [3]
+    assert second.step_costs(3, on_measure=heard.append) == first and second.step_costs(2) == first and calls == [3]
+    assert len(heard) == 1  # read from the cache: nothing to say
     assert second.step_costs(5) != first and calls == [3, 5]  # a longer draft: measured again
     assert len(pipeline().step_costs(5).target) == 6 and calls == [3, 5]
     pipeline().step_costs(3, refresh=True)
     assert calls == [3, 5, 3]
-    pipeline().step_costs(3, cache=False)
-    assert calls == [3, 5, 3, 3]
+    pipeline().step_costs(3, cache=False, on_measure=heard.append)
+    assert calls == [3, 5, 3, 3] and heard[-1] is None  # measured, kept nowhere
     policy = pipeline().ready_policy(CostAware(max_k=3), "sd")
     assert policy.costs is not None and len(policy.costs.target) >= 4 and calls == [3, 5, 3, 3]
 
@@ -146,7 +149,8 @@ def test_generate_drafts_under_the_cost_policy_by_default(monkeypatch, tiny_targ
     from quickdraft.cli import app
 
     pipe = Pipeline(tiny_target, word_tokenizer(), tiny_draft)
-    pipe._step_costs = StepCost(target=(1.0, 2.0, 3.0, 4.0, 5.0), draft=1.0)  # as if measured: steep
+    steep = StepCost(target=(1.0, 2.0, 3.0, 4.0, 5.0), draft=1.0)
+    monkeypatch.setattr("quickdraft.pipeline.measure_step_cost", lambda *args, **kwargs: steep)  # as if measured
     monkeypatch.setattr(Pipeline, "from_specs", classmethod(lambda cls, *args, **kwargs: pipe))
     common = ["generate", "w1 w2 w3", "--no-chat", "--max-new-tokens", "12"]
     result = CliRunner().invoke(app, [*common, "--method", "sd"])

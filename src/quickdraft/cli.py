@@ -225,13 +225,13 @@ def generate(
             who = "feature drafter" if by_features else (draft if spec.needs_draft else "-")
             typer.echo(f"[{method}] backend={backend} policy={spec.policy.name} target={target} draft={who}", err=True)
         if spec.policy.name == "cost":
-            from quickdraft.backends.costs import CostCache, cost_key
+            def measuring(store) -> None:
+                if not json_out:
+                    kept = f"; kept in {store.path}" if store is not None else ""
+                    typer.echo(f"[{method}] policy cost: measuring this pair's forward costs on this machine "
+                               f"(seconds{kept})", err=True)
 
-            store, key = CostCache.default(), cost_key(pipe.target, pipe.draft)
-            if not json_out and (key is None or store.get(key, spec.policy.max_k) is None):
-                typer.echo(f"[{method}] policy cost: measuring this pair's forward costs on this machine (seconds; "
-                           f"kept in {store.path})", err=True)
-            pipe.step_costs(spec.policy.max_k)
+            pipe.step_costs(spec.policy.max_k, on_measure=measuring)
         single = len(prompts) == 1
         stream = None if json_out or not single else (lambda row, text: (sys.stdout.write(text), sys.stdout.flush()))
         out = pipe.generate(

@@ -459,7 +459,8 @@ class Pipeline:
         costs = self.step_costs(policy.max_k)
         return dataclasses.replace(policy, costs=costs.without_draft() if method in ("ngram", "rest") else costs)
 
-    def step_costs(self, max_k: int = 8, *, cache: CostCache | None | bool = True, refresh: bool = False) -> StepCost:
+    def step_costs(self, max_k: int = 8, *, cache: CostCache | None | bool = True, refresh: bool = False,
+                   on_measure: Callable[[CostCache | None], None] | None = None) -> StepCost:
         """The target's forward costs over 1 … ``max_k + 1`` tokens and the draft's over one.
 
         Measured on this pipeline's runners after a 128-token context
@@ -468,6 +469,8 @@ class Pipeline:
         :class:`~quickdraft.backends.costs.CostCache` that keeps them across processes, keyed by
         the machine and the runners (:func:`~quickdraft.backends.costs.cost_key`); ``True``: the
         one in the model cache; ``False`` or ``None``: none. ``refresh``: measure again (and store).
+        ``on_measure(store)`` is called just before a measurement (``store``: where it will be kept,
+        ``None`` where it will not), so that a caller can say why it waits.
         """
         if not refresh and self._step_costs is not None and len(self._step_costs.target) >= max_k + 1:
             return self._step_costs
@@ -475,6 +478,8 @@ class Pipeline:
         key = cost_key(self.target, self.draft) if store is not None else None
         cost = None if key is None or refresh else store.get(key, max_k)
         if cost is None:
+            if on_measure is not None:
+                on_measure(store if key is not None else None)
             context = [(7 * i + 11) % min(self.vocab_size, 1000) for i in range(128)]
             cost = measure_step_cost(self.target, self.draft, context, max_k, repeats=3)
             if key is not None:

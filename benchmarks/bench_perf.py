@@ -409,7 +409,8 @@ def run(args: argparse.Namespace) -> dict:
         one(config, prompt_ids[0], SamplingParams(), 0, 4)
     for config in args.configs:  # the forward costs the cost policy decides by (measured or cached)
         if config.endswith(COST):
-            costs = pipes[parse_config(config)[0]]._step_costs
+            key, _, k = parse_config(config)
+            costs = pipes[key].step_costs(k or args.k)  # the warm-up's, kept by the pipeline
             result.setdefault("step_costs", {})[config] = {"target_ms": [round(1e3 * t, 2) for t in costs.target],
                                                            "draft_ms": round(1e3 * costs.draft, 2)}
     result["memory_after_load"] = _memory_status()

@@ -167,7 +167,8 @@ def _costs_command(
             return "-" if path is None else f"{path.parent.name}/{path.name} ({runner['runtime']})"
 
         for entry in store.entries().values():
-            key, machine = entry.get("key", {}), entry.get("key", {}).get("machine", {})
+            key = entry.get("key", {})
+            machine = key.get("machine", {})
             table.add_row(
                 str(entry.get("measured_at", "?")),
                 f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {' '.join(machine.get('isa', []))}",

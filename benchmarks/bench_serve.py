@@ -369,6 +369,8 @@ def main() -> None:
         argv = [sys.executable, "-m", "quickdraft.cli", "serve", "--target", target, "--draft", draft,
                 "--port", str(port), "--model-name", "bench", "--k", str(args.k), "--backend", args.backend,
                 "--max-batch", str(max(args.concurrency)), "--log-level", "warning"]
+        if {"cost", "auto"} & set(args.policies):  # the server measures its step costs at start, not in a timed row
+            argv += ["--policy", "auto"]
     record["server_command"] = " ".join(shlex.quote(a) for a in argv)
     print(f"starting: {record['server_command']}", flush=True)
     server = ServerProcess(argv, port, Path(tmp.name) / "server.log")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from quickdraft.backends import costs as costs_module
-from quickdraft.backends.costs import CostCache, StepCost, cost_key, machine_identity
+from quickdraft.backends.costs import CostCache, RowsCost, StepCost, batch_grid, cost_key, machine_identity
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.decoding.policies import Constant, CostAware
 from quickdraft.errors import QuickdraftError
@@ -74,7 +74,69 @@ def test_the_cache_keeps_costs_per_key(tmp_path):
     assert store.entries() == {} and store.get(key, 1) is None
     store.put(key, cost)
     assert json.loads(store.path.read_text())[CostCache.digest(key)]["draft"] == 0.02
+    # costs over batches: kept with the entry, and an entry covers the batches it was measured at
+    served = StepCost(target=(0.05, 0.06, 0.08), draft=0.02,
+                      batched=(RowsCost(2, (0.07, 0.1, 0.14), 0.03), RowsCost(4, (0.1, 0.18, 0.26), 0.04)))
+    assert store.get(key, 2, max_rows=2) is None  # measured at one row only
+    store.put(key, served)
+    assert store.get(key, 2, max_rows=4) == served and store.get(key, 2, max_rows=3) == served
+    assert store.get(key, 2) == served and store.get(key, 2, max_rows=5) is None
     assert store.clear() == 1 and not store.path.exists()
+
+
+def test_batch_costs_interpolate_between_the_measured_rows():
+    """A step's cost at ``rows`` is one row's without batch costs, the measured one at a measured
+    row count, linear in between and beyond; batch costs must cover one row's sizes, rows ascending."""
+    one = StepCost(target=(1.0, 1.2, 1.4), draft=0.2, overhead=0.01)
+    assert one.step(2, rows=16) == one.step(2) == pytest.approx(1.81) and one.max_rows == 1
+    served = StepCost(target=one.target, draft=0.2, overhead=0.01,
+                      batched=(RowsCost(2, (1.5, 2.5, 3.5), 0.3), RowsCost(4, (2.5, 4.5, 6.5), 0.5)))
+    assert served.step(0, rows=2) == pytest.approx(1.51) and served.step(2, rows=4) == pytest.approx(7.51)
+    assert served.step(1, rows=3) == pytest.approx((2.8 + 5.0) / 2 + 0.01)
+    assert served.step(1, rows=6) == pytest.approx(5.0 + (5.0 - 2.8) + 0.01)  # the last two rows' slope
+    assert served.without_draft().step(2, rows=4) == pytest.approx(6.51)
+    with pytest.raises(QuickdraftError, match="ascending"):
+        StepCost(target=one.target, draft=0.2, batched=served.batched[::-1])
+    with pytest.raises(QuickdraftError, match="as many target sizes"):
+        StepCost(target=one.target, draft=0.2, batched=(RowsCost(2, (1.5, 2.5), 0.3),))
+    with pytest.raises(QuickdraftError, match="rows >= 2"):
+        RowsCost(1, (1.0,), 0.1)
+    with pytest.raises(QuickdraftError, match="at least one row"):
+        served.step(1, rows=0)
+    assert batch_grid(1) == () and batch_grid(2) == (2,) and batch_grid(5) == (2, 4, 8) and batch_grid(16)[-1] == 16
+
+
+def test_the_cost_policy_drafts_for_one_row_and_not_for_a_full_batch(tiny_target, tiny_draft):
+    """Under costs where a draft pays in one row and no draft pays in four (a verification's extra
+    tokens cost little in one row and much in a batch), the engine's cost policy drafts for one
+    prompt and makes plain steps for four, with plain decoding's greedy text either way; the
+    policy hears the rows of every step, fewer as rows finish."""
+    from quickdraft.decoding.drafters import ModelDrafter
+    from quickdraft.decoding.engine import generate
+
+    from conftest import TINY_VOCAB
+
+    flat = tuple(1.0 + 0.0125 * m for m in range(5))
+    costs = StepCost(target=flat, draft=0.05, batched=(RowsCost(4, tuple(4.0 * (1 + m) for m in range(5)), 0.2),))
+    target = ModelRunner(tiny_target)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    heard = []
+
+    class Listening(CostAware):
+        def observe_rows(self, rows: int) -> None:
+            heard.append(rows)
+            super().observe_rows(rows)
+
+    for rows in (1, 4):
+        drafter = ModelDrafter(ModelRunner(tiny_draft), TINY_VOCAB)
+        out = generate(target, prompts[:rows], method="sd", drafter=drafter, max_new_tokens=20,
+                       policy=Listening(max_k=4, costs=costs), eos_token_ids=[5])
+        assert out.sequences == generate(target, prompts[:rows], method="ar", max_new_tokens=20,
+                                         eos_token_ids=[5]).sequences
+        assert (out.batch_metrics.drafted_tokens > 0) == (rows == 1)
+    one_row, four_rows = heard[:heard.index(4)], heard[heard.index(4):]
+    assert set(one_row) == {1} and four_rows[0] == 4 and four_rows == sorted(four_rows, reverse=True)
+    assert min(four_rows) < 4  # a row finished (EOS) and the later steps decoded fewer
 
 
 def test_a_pipeline_measures_once_per_machine_and_pair(tmp_path, monkeypatch):
@@ -109,6 +171,11 @@ def test_a_pipeline_measures_once_per_machine_and_pair(tmp_path, monkeypatch):
     assert calls == [3, 5, 3, 3] and heard[-1] is None  # measured, kept nowhere
     policy = pipeline().ready_policy(CostAware(max_k=3), "sd")
     assert policy.costs is not None and len(policy.costs.target) >= 4 and calls == [3, 5, 3, 3]
+    # a server's batches: measured over them once, then read for any batch up to the largest
+    batched = pipeline().ready_policy(CostAware(max_k=3), "sd", max_rows=4).costs
+    assert calls == [3, 5, 3, 3, 3] and [r.rows for r in batched.batched] == [2, 4]
+    assert pipeline().step_costs(3, max_rows=3) == batched and pipeline().step_costs(2) == batched
+    assert calls == [3, 5, 3, 3, 3]
 
 
 def test_auto_is_the_cost_policy_where_a_step_may_be_plain():
@@ -130,14 +197,19 @@ def test_the_command_lists_and_forgets_the_measurements(tmp_path, monkeypatch):
 
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
     (tmp_path / "pair").mkdir()
+    (tmp_path / "pair" / "model.gguf").write_bytes(b"")  # an entry is kept while its model's files are
     runner = {"runtime": "llama.cpp 0.3.36", "weights": {"path": str(tmp_path / "pair" / "model.gguf")}}
     key = {"machine": machine_identity(AVX2), "target": runner, "draft": None}
     CostCache.default().put(key, StepCost(target=(0.056, 0.09, 0.125), draft=0.0))
-    listed = CliRunner().invoke(app, ["models", "costs"], env={"COLUMNS": "200"})
+    served = {**key, "target": {**runner, "runtime": "openvino 2026.4"}}
+    CostCache.default().put(served, StepCost(target=(0.1, 0.12, 0.13), draft=0.02, batched=(
+        RowsCost(2, (0.15, 0.2, 0.25), 0.03), RowsCost(4, (0.2, 0.3, 0.4), 0.04))))
+    listed = CliRunner().invoke(app, ["models", "costs"], env={"COLUMNS": "220"})
     assert listed.exit_code == 0, listed.output
     assert "AMD EPYC" in listed.output and "56 90 125" in listed.output and "pair/model.gguf" in listed.output
+    assert "100 120 130" in listed.output and "2 4" in listed.output  # the rows it was also measured over
     cleared = CliRunner().invoke(app, ["models", "costs", "--clear"])
-    assert cleared.exit_code == 0 and "forgot 1 measurement" in cleared.output
+    assert cleared.exit_code == 0 and "forgot 2 measurement" in cleared.output
     assert CostCache.default().entries() == {}
 
 

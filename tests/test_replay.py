@@ -210,6 +210,13 @@ def test_measure_step_cost_times_every_size_and_restores_the_caches(tiny_target,
     cost.step(4)  # a 5-token verification has a time
     with pytest.raises(QuickdraftError, match="max_k"):
         measure_step_cost(target, draft, context[:4], max_k=4)
+    # over batches: every row count of the grid, each over every size; the runners keep one row
+    batched = measure_step_cost(target, draft, context, max_k=3, repeats=1, max_rows=3)
+    assert [r.rows for r in batched.batched] == [2, 4] and batched.max_rows == 4
+    assert all(len(r.target) == 4 and min(r.target) > 0 and r.draft > 0 for r in batched.batched)
+    assert target.batch_size == draft.batch_size == 1 and int(target.lengths[0]) == len(context)
+    with pytest.raises(QuickdraftError, match="max_rows"):
+        measure_step_cost(target, draft, context, max_k=3, max_rows=0)
 
 
 def test_select_rows_forks_rows_that_continue_like_their_source(tiny_draft):

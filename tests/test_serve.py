@@ -383,6 +383,41 @@ def test_every_speculation_setting(pipe, head_path, one_thread):
         srv.stop()
 
 
+def test_the_cost_policy_decides_by_the_costs_at_the_batch_served(tiny_target, tiny_draft, monkeypatch, one_thread):
+    """A server whose default policy is ``auto`` measures the cost policy's costs over batches up to
+    its ``max_rows`` before it takes requests; under costs where a draft pays for one row and not
+    for four, a lone request drafts and a request of four rows (``n = 4``) makes plain steps, both
+    with the greedy text. A server whose default is ``constant`` measures nothing at start."""
+    from quickdraft.backends.costs import RowsCost, StepCost
+
+    flat = tuple(1.0 + 0.0125 * m for m in range(9))
+    costs = StepCost(target=flat, draft=0.05, batched=(RowsCost(2, flat, 0.05),
+                                                        RowsCost(4, tuple(4.0 * (1 + m) for m in range(9)), 0.2)))
+    asked = []
+
+    def measured(*args, max_rows=1, **kwargs):
+        asked.append(max_rows)
+        return costs
+
+    monkeypatch.setattr("quickdraft.pipeline.measure_step_cost", measured)
+    pipe = Pipeline(tiny_target, _tokenizer(), tiny_draft)  # costs not yet measured
+    Server(pipe, ServerConfig(model_name=MODEL, max_tokens=24, max_rows=4)).stop()
+    assert asked == []
+    srv = Server(pipe, ServerConfig(model_name=MODEL, max_tokens=24, max_rows=4, defaults=ServeDefaults(policy="auto")))
+    assert asked == [4]  # at start
+    try:
+        plain = _reference(pipe, _ids(pipe, PROMPTS[0]), 24, method="ar")[0]
+        drafted = []
+        for n in (1, 4):
+            r = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, n=n,
+                                              extra_body={"speculative": {"method": "sd", "k": 4, "policy": "cost"}})
+            assert [c.text for c in r.choices] == [plain] * n
+            drafted.append(r.model_extra["quickdraft"]["drafted_tokens"])
+        assert asked == [4] and drafted[0] > 0 and drafted[1] == 0, (asked, drafted)
+    finally:
+        srv.stop()
+
+
 # -- HTTP: bad requests ----------------------------------------------------------------------------
 def _error(r: httpx.Response) -> dict:
     err = r.json()["error"]

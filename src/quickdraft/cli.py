@@ -231,7 +231,7 @@ def generate(
                     typer.echo(f"[{method}] policy cost: measuring this pair's forward costs on this machine "
                                f"(seconds{kept})", err=True)
 
-            pipe.step_costs(spec.policy.max_k, on_measure=measuring)
+            pipe.step_costs(spec.policy.max_k, max_rows=len(prompts), on_measure=measuring)
         single = len(prompts) == 1
         stream = None if json_out or not single else (lambda row, text: (sys.stdout.write(text), sys.stdout.flush()))
         out = pipe.generate(

@@ -159,7 +159,8 @@ def _costs_command(
             typer.echo(f"forgot {store.clear()} measurement(s) in {store.path}")
             return
         table = Table(title=f"measured step costs ({store.path})")
-        for column in ("measured", "machine", "target", "draft", "target ms over 1, 2, … tokens", "draft ms"):
+        for column in ("measured", "machine", "target", "draft", "target ms over 1, 2, … tokens", "draft ms",
+                       "also over rows"):
             table.add_column(column, overflow="fold")
 
         def weights(runner: dict | None) -> str:
@@ -173,7 +174,8 @@ def _costs_command(
                 str(entry.get("measured_at", "?")),
                 f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {' '.join(machine.get('isa', []))}",
                 weights(key.get("target")), weights(key.get("draft")),
-                " ".join(f"{1e3 * t:.0f}" for t in entry.get("target", [])), f"{1e3 * entry.get('draft', 0):.0f}")
+                " ".join(f"{1e3 * t:.0f}" for t in entry.get("target", [])), f"{1e3 * entry.get('draft', 0):.0f}",
+                " ".join(str(r.get("rows", "?")) for r in entry.get("batched", [])) or "-")
         Console().print(table)
 
     _run_cli(action)

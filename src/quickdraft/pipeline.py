@@ -450,18 +450,21 @@ class Pipeline:
             return dataclasses.replace(rule, neighbours=self.latent_neighbourhoods(rule.k))
         return rule
 
-    def ready_policy(self, policy: Policy, method: str) -> Policy:
+    def ready_policy(self, policy: Policy, method: str, max_rows: int = 1) -> Policy:
         """``policy`` ready for ``method`` on this pipeline: a :class:`CostAware` policy without
-        costs gets this pipeline's measured forward costs (:meth:`step_costs`), without the draft
-        model's for the model-free drafters (``ngram``, ``rest``)."""
+        costs gets this pipeline's measured forward costs (:meth:`step_costs`, over batches of up to
+        ``max_rows`` rows), without the draft model's for the model-free drafters (``ngram``,
+        ``rest``)."""
         if not isinstance(policy, CostAware) or policy.costs is not None or method not in SKIPPABLE:
             return policy
-        costs = self.step_costs(policy.max_k)
+        costs = self.step_costs(policy.max_k, max_rows=max_rows)
         return dataclasses.replace(policy, costs=costs.without_draft() if method in ("ngram", "rest") else costs)
 
-    def step_costs(self, max_k: int = 8, *, cache: CostCache | None | bool = True, refresh: bool = False,
-                   on_measure: Callable[[CostCache | None], None] | None = None) -> StepCost:
-        """The target's forward costs over 1 … ``max_k + 1`` tokens and the draft's over one.
+    def step_costs(self, max_k: int = 8, *, max_rows: int = 1, cache: CostCache | None | bool = True,
+                   refresh: bool = False, on_measure: Callable[[CostCache | None], None] | None = None) -> StepCost:
+        """The target's forward costs over 1 … ``max_k + 1`` tokens and the draft's over one, in one
+        batch row and, for ``max_rows > 1``, in the batches of
+        :func:`~quickdraft.backends.costs.batch_grid` (``StepCost.batched``).
 
         Measured on this pipeline's runners after a 128-token context
         (:func:`quickdraft.backends.costs.measure_step_cost`, median of 3 rounds; about 11 s for the
@@ -472,16 +475,17 @@ class Pipeline:
         ``on_measure(store)`` is called just before a measurement (``store``: where it will be kept,
         ``None`` where it will not), so that a caller can say why it waits.
         """
-        if not refresh and self._step_costs is not None and len(self._step_costs.target) >= max_k + 1:
-            return self._step_costs
+        held = self._step_costs
+        if not refresh and held is not None and len(held.target) >= max_k + 1 and held.max_rows >= max_rows:
+            return held
         store = CostCache.default() if cache is True else (cache or None)
         key = cost_key(self.target, self.draft) if store is not None else None
-        cost = None if key is None or refresh else store.get(key, max_k)
+        cost = None if key is None or refresh else store.get(key, max_k, max_rows)
         if cost is None:
             if on_measure is not None:
                 on_measure(store if key is not None else None)
             context = [(7 * i + 11) % min(self.vocab_size, 1000) for i in range(128)]
-            cost = measure_step_cost(self.target, self.draft, context, max_k, repeats=3)
+            cost = measure_step_cost(self.target, self.draft, context, max_k, repeats=3, max_rows=max_rows)
             if key is not None:
                 store.put(key, cost)
         self._step_costs = cost
@@ -575,7 +579,7 @@ class Pipeline:
                 drafter=self.drafter_for(method, ngram=ngram, lookup_k=lookup_k, tree=tree, verifier=verifier,
                                          datastore=datastore, phrase=phrase, drafter=drafter),
                 rule=self.ready_rule(rule),
-                policy=self.ready_policy(policy or Constant(k), method),
+                policy=self.ready_policy(policy or Constant(k), method, max_rows=len(ids)),
                 sampling=sampling,
                 max_new_tokens=max_new_tokens,
                 seed=seed,

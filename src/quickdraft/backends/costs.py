@@ -37,44 +37,120 @@ from quickdraft.errors import QuickdraftError
 
 
 @dataclass(frozen=True)
+class RowsCost:
+    """The forward costs of a step over ``rows`` batch rows: ``target[m - 1]`` the target's forward
+    over ``m`` tokens in every row (``rows x m`` tokens), ``draft`` the draft's over one token in
+    every row."""
+
+    rows: int
+    target: tuple[float, ...]
+    draft: float
+
+    def __post_init__(self) -> None:
+        if self.rows < 2 or not self.target or min(self.target) <= 0 or self.draft < 0:
+            raise QuickdraftError(f"batch costs need rows >= 2, positive target times and a non-negative draft time, got {self}")
+
+
+@dataclass(frozen=True)
 class StepCost:
     """Seconds of one speculative step that drafts ``k`` tokens: ``k`` draft forwards, one target
     forward over ``k + 1`` tokens (the drafted ones and the token before them), plus ``overhead``.
 
-    ``target[m - 1]`` is the target forward time over ``m`` tokens, ``m = 1 .. len(target)``.
+    ``target[m - 1]`` is the target forward time over ``m`` tokens, ``m = 1 .. len(target)``, in
+    one batch row. ``batched``: the same costs measured over more rows (:class:`RowsCost`, by rows
+    ascending), for a step that decodes a batch: on a CPU a verification's extra tokens cost little
+    in one row (the weights' memory traffic dominates) and a lot in sixteen (the batch already keeps
+    the cores busy), so whether a draft pays depends on the batch.
     """
 
     target: tuple[float, ...]
     draft: float
     overhead: float = 0.0
+    batched: tuple[RowsCost, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.target or min(self.target) <= 0 or self.draft < 0 or self.overhead < 0:
             raise QuickdraftError(f"step cost needs positive target times and non-negative draft/overhead, got {self}")
+        rows = [r.rows for r in self.batched]
+        if rows != sorted(set(rows)) or any(len(r.target) < len(self.target) for r in self.batched):
+            raise QuickdraftError(f"batch costs need distinct rows in ascending order, each over as many target "
+                                  f"sizes as one row's ({len(self.target)}), got rows {rows}")
 
-    def step(self, k: int) -> float:
+    @property
+    def max_rows(self) -> int:
+        """The most rows the costs were measured at."""
+        return self.batched[-1].rows if self.batched else 1
+
+    def step(self, k: int, rows: int = 1) -> float:
+        """Seconds of a step drafting ``k`` tokens in each of ``rows`` rows. Between measured row
+        counts the costs are interpolated linearly, beyond the largest extrapolated from the last two;
+        without batch costs every batch costs what one row does.
+
+        >>> c = StepCost((1.0, 1.5), draft=0.5, batched=(RowsCost(3, (2.0, 4.0), 1.0),))
+        >>> c.step(1), c.step(1, rows=3), c.step(1, rows=2), c.step(1, rows=5)
+        (2.0, 5.0, 3.5, 8.0)
+        """
         if not 1 <= k + 1 <= len(self.target):
             raise QuickdraftError(f"no target time for a {k + 1}-token verification (have 1..{len(self.target)})")
-        return k * self.draft + self.target[k] + self.overhead
+        if rows < 1:
+            raise QuickdraftError(f"a step decodes at least one row, got {rows}")
+        points = [(1, k * self.draft + self.target[k])]
+        points += [(r.rows, k * r.draft + r.target[k]) for r in self.batched]
+        if rows == 1 or len(points) == 1:
+            return points[0][1] + self.overhead
+        (r0, c0), (r1, c1) = next(((a, b) for a, b in zip(points, points[1:]) if rows <= b[0]), points[-2:])
+        return c0 + (c1 - c0) * (rows - r0) / (r1 - r0) + self.overhead
 
     def without_draft(self) -> "StepCost":
         """The same step for a drafter without a model (prompt lookup, retrieval): free drafts."""
-        return dataclasses.replace(self, draft=0.0)
+        return dataclasses.replace(self, draft=0.0, batched=tuple(dataclasses.replace(r, draft=0.0)
+                                                                  for r in self.batched))
 
 
-def measure_step_cost(target, draft, context: Sequence[int], max_k: int, repeats: int = 5) -> StepCost:
+def batch_grid(max_rows: int) -> tuple[int, ...]:
+    """The row counts above one at which :func:`measure_step_cost` measures for batches of up to
+    ``max_rows``: the powers of two up to the first that is at least ``max_rows``.
+
+    >>> batch_grid(1), batch_grid(16), batch_grid(12)
+    ((), (2, 4, 8, 16), (2, 4, 8, 16))
+    """
+    grid, rows = [], 2
+    while max_rows > 1:
+        grid.append(rows)
+        if rows >= max_rows:
+            break
+        rows *= 2
+    return tuple(grid)
+
+
+def measure_step_cost(target, draft, context: Sequence[int], max_k: int, repeats: int = 5,
+                      max_rows: int = 1) -> StepCost:
     """Median forward times after ``context``: the target over ``m = 1 .. max_k + 1`` tokens and the
     draft (a runner, or ``None``: cost 0) over one token, each rolled back after timing (so every one
     sees the same cache). The sizes are timed round-robin, ``repeats`` rounds after a warm-up, so a
-    slow phase of the machine spreads over all; the runners are left holding ``context``."""
+    slow phase of the machine spreads over all. ``max_rows > 1`` also measures them with ``context``
+    in each of the rows of :func:`batch_grid` (``StepCost.batched``). The runners are left holding
+    ``context`` in one row."""
     if len(context) < max_k + 1:
         raise QuickdraftError(f"measure_step_cost needs a context of at least max_k + 1 = {max_k + 1} tokens")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise QuickdraftError(f"max_rows must be an integer >= 1, got {max_rows!r}")
+    batched = []
+    for rows in batch_grid(max_rows) + (1,):  # one row last: the runners keep its context
+        target_times, draft_time = _forward_times(target, draft, context, max_k, repeats, rows)
+        if rows > 1:
+            batched.append(RowsCost(rows, target_times, draft_time))
+    return StepCost(target=target_times, draft=draft_time, batched=tuple(batched))
+
+
+def _forward_times(target, draft, context: Sequence[int], max_k: int, repeats: int,
+                   rows: int) -> tuple[tuple[float, ...], float]:
     runners = [r for r in (target, draft) if r is not None]
-    ctx = torch.tensor([list(context)], dtype=torch.long)
+    ctx = torch.tensor([list(context)] * rows, dtype=torch.long)
     for runner in runners:
-        runner.reset(1)
+        runner.reset(rows)
         runner.forward(ctx.to(getattr(runner, "device", "cpu")), logits_to_keep=1)
-    base = torch.tensor([len(context)])
+    base = torch.full((rows,), len(context))
 
     def run(runner, m: int) -> float:
         block = ctx[:, -m:].to(getattr(runner, "device", "cpu"))
@@ -93,7 +169,7 @@ def measure_step_cost(target, draft, context: Sequence[int], max_k: int, repeats
             target_times[m - 1].append(run(target, m))
         if draft is not None:
             draft_times.append(run(draft, 1))
-    return StepCost(target=tuple(median(t) for t in target_times), draft=median(draft_times) if draft_times else 0.0)
+    return tuple(median(t) for t in target_times), (median(draft_times) if draft_times else 0.0)
 
 
 #: the file in the model cache (:func:`quickdraft.models.default_cache_dir`) that keeps measured step costs
@@ -189,16 +265,20 @@ class CostCache:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, key: dict, max_k: int) -> StepCost | None:
-        """The costs stored for ``key`` if they cover target forwards of ``max_k + 1`` tokens."""
+    def get(self, key: dict, max_k: int, max_rows: int = 1) -> StepCost | None:
+        """The costs stored for ``key`` if they cover target forwards of ``max_k + 1`` tokens and
+        batches of ``max_rows`` rows."""
         entry = self.entries().get(self.digest(key))
         try:
             if entry is None or entry["key"] != json.loads(json.dumps(key)):
                 return None
-            cost = StepCost(target=tuple(float(t) for t in entry["target"]), draft=float(entry["draft"]))
+            batched = tuple(RowsCost(int(r["rows"]), tuple(float(t) for t in r["target"]), float(r["draft"]))
+                            for r in entry.get("batched", ()))
+            cost = StepCost(target=tuple(float(t) for t in entry["target"]), draft=float(entry["draft"]),
+                            batched=batched)
         except (KeyError, TypeError, ValueError, QuickdraftError):
             return None
-        return cost if len(cost.target) >= max_k + 1 else None
+        return cost if len(cost.target) >= max_k + 1 and cost.max_rows >= max_rows else None
 
     def put(self, key: dict, cost: StepCost) -> None:
         """Store ``cost`` for ``key`` (one atomic rewrite of the file); entries whose models' files
@@ -206,6 +286,7 @@ class CostCache:
         data = {digest: entry for digest, entry in self.entries().items() if _files_exist(entry)}
         data[self.digest(key)] = {
             "key": key, "target": list(cost.target), "draft": cost.draft,
+            "batched": [{"rows": r.rows, "target": list(r.target), "draft": r.draft} for r in cost.batched],
             "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,10 @@ A policy is asked three things by the engine, once per verification step:
 ``update(num_drafted, num_accepted)``
     the outcome of the step (``num_accepted`` is ``[B]``, the rows that took part).
 
+Before each step's ``begin_step`` the engine also tells the policy how many rows the step decodes
+(``observe_rows(rows)``); only :class:`CostAware` reads it (a draft that pays for one row may not
+pay for sixteen).
+
 A policy only decides *how many* tokens are verified, never *whether* they are accepted, so it
 cannot change the output distribution of a lossless rule (tested in ``tests/test_policies.py``).
 
@@ -77,6 +81,7 @@ References
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal
 
@@ -109,6 +114,10 @@ class Policy:
         return True
 
     def update(self, num_drafted: int, num_accepted: torch.Tensor) -> None:
+        return None
+
+    def observe_rows(self, rows: int) -> None:
+        """The next step decodes ``rows`` batch rows."""
         return None
 
     def reset(self) -> None:
@@ -200,20 +209,24 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(sum(alpha ** i for i in range(int(k) + 1)))
 
 
-def best_draft_length(alpha: float, costs: "StepCost", max_k: int) -> int:
+def best_draft_length(alpha: float, costs: "StepCost", max_k: int, rows: int = 1) -> int:
     """The draft length ``k`` in ``[0, max_k]`` that maximises expected tokens per second,
-    ``expected_tokens(alpha, k) / costs.step(k)``; ``0`` (a plain step) wins ties, so a draft is
-    made only where it is expected to pay.
+    ``expected_tokens(alpha, k) / costs.step(k, rows)`` (every row drafts ``k``); ``0`` (a plain
+    step) wins ties, so a draft is made only where it is expected to pay.
 
     >>> from quickdraft.backends.costs import StepCost
     >>> flat = StepCost(tuple(1.0 + 0.0125 * m for m in range(9)), draft=0.1)     # memory-bound target
     >>> steep = StepCost((1.0, 1.7, 2.4, 3.0, 3.7, 4.4, 5.1, 5.9, 6.6), draft=0.3)  # compute-bound target
     >>> best_draft_length(0.8, flat, 8), best_draft_length(0.8, steep, 8), best_draft_length(0.2, flat, 8)
     (5, 0, 1)
+    >>> from quickdraft.backends.costs import RowsCost
+    >>> served = dataclasses.replace(flat, batched=(RowsCost(16, steep.target, draft=0.3),))  # flat at 1 row, steep at 16
+    >>> best_draft_length(0.8, served, 8), best_draft_length(0.8, served, 8, rows=16)
+    (5, 0)
     """
-    best_k, best_rate = 0, 1.0 / costs.step(0)
+    best_k, best_rate = 0, 1.0 / costs.step(0, rows)
     for k in range(1, int(max_k) + 1):
-        rate = expected_tokens(alpha, k) / costs.step(k)
+        rate = expected_tokens(alpha, k) / costs.step(k, rows)
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k
@@ -327,11 +340,17 @@ class CostAware(Policy):
     The length is a decision made before the step's draft, from earlier steps only, so the output
     distribution of a lossless rule is untouched.
 
+    In a batch every row drafts the same length, and the length is chosen under the costs at the
+    batch's rows (``observe_rows``; :meth:`quickdraft.backends.costs.StepCost.step`): where the
+    costs were measured over batches, a server drafts less, or not at all, when many rows share a
+    step.
+
     Attributes
     ----------
     max_k: the longest draft.
     costs: :class:`quickdraft.backends.costs.StepCost` over at least ``max_k + 1`` target tokens;
         ``None`` until the pipeline measures them (:meth:`quickdraft.pipeline.Pipeline.ready_policy`).
+    rows: the rows the next step decodes (the engine says, ``observe_rows``).
     """
 
     max_k: int = 8
@@ -341,6 +360,7 @@ class CostAware(Policy):
     memory: float = 0.9
     probe_every: int = 16
     probe_alpha: float = 0.9
+    rows: int = 1
     name = "cost"
     needs_probs = False
     #: begin_step may answer 0: the engine makes a plain step
@@ -364,11 +384,14 @@ class CostAware(Policy):
 
     @property
     def never_drafts(self) -> bool:
-        """Whether no draft can pay under ``costs`` at the acceptance rate known or probed for: the
-        policy then makes plain steps only (the estimate moves only with drafts), and the engine
-        spares the draft model its prefill."""
-        return self.costs is not None and best_draft_length(
-            max(self.alpha, self.probe_alpha), self.costs, self.max_k) == 0
+        """Whether no draft can pay under ``costs`` at the acceptance rate known or probed for, at
+        any measured batch size: the policy then makes plain steps only (the estimate moves only
+        with drafts), and the engine spares the draft model its prefill."""
+        if self.costs is None:
+            return False
+        alpha = max(self.alpha, self.probe_alpha)
+        return all(best_draft_length(alpha, self.costs, self.max_k, rows) == 0
+                   for rows in (1, *(r.rows for r in self.costs.batched)))
 
     def begin_step(self) -> int:
         if self.costs is None:
@@ -377,10 +400,14 @@ class CostAware(Policy):
         if len(self.costs.target) < self.max_k + 1:
             raise QuickdraftError(f"the cost policy drafts up to {self.max_k} tokens but its costs cover target "
                                   f"forwards of up to {len(self.costs.target)} tokens, not {self.max_k + 1}")
-        k = best_draft_length(self.alpha, self.costs, self.max_k)
-        if k == 0 and self.plain_steps >= self.probe_every and best_draft_length(self.probe_alpha, self.costs, self.max_k):
+        k = best_draft_length(self.alpha, self.costs, self.max_k, self.rows)
+        if k == 0 and self.plain_steps >= self.probe_every and best_draft_length(
+                self.probe_alpha, self.costs, self.max_k, self.rows):
             return 1
         return k
+
+    def observe_rows(self, rows: int) -> None:
+        self.rows = max(1, int(rows))
 
     def update(self, num_drafted: int, num_accepted: torch.Tensor) -> None:
         if num_drafted == 0 or num_accepted.numel() == 0:

@@ -165,6 +165,7 @@ class ChainProposer:
             self.drafter.prefill(sequences)
 
     def propose(self, sequences, active, cap, ctx) -> "ChainProposal":
+        self.policy.observe_rows(int(active.sum()))
         skip = self.drafter is not None and cap > 0 and self.policy.begin_step() == 0  # the policy's plain step
         if self.drafter is None or cap == 0 or skip:
             b, device = len(sequences), active.device

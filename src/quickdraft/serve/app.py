@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from quickdraft.decoding.policies import CostAware
 from quickdraft.errors import QuickdraftError
 from quickdraft.verification.sampling import SamplingParams
 from quickdraft.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -218,6 +219,19 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+def measure_costs(pipe, config: ServerConfig, max_rows: int) -> None:
+    """Where the server's default policy is the cost policy (``cost``, or ``auto`` for a method whose
+    step may be plain), its step costs over batches of up to ``max_rows`` are read from the cost
+    cache or measured before the server takes requests, not in the first request's time."""
+    sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or None)
+    spec = build_spec(config.defaults, sampling, None)
+    if not isinstance(spec.policy, CostAware):
+        return
+    pipe.step_costs(spec.policy.max_k, max_rows=max_rows, on_measure=lambda store: log.info(
+        "measuring the cost policy's step costs", extra={"fields": {"max_rows": max_rows,
+                                                                    "kept_in": str(store.path) if store else None}}))
+
+
 def create_app(pipe, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI application serving ``pipe`` (a loaded :class:`quickdraft.pipeline.Pipeline`).
 
@@ -232,6 +246,7 @@ def create_app(pipe, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await asyncio.to_thread(measure_costs, pipe, config, scheduler.max_rows)
         scheduler.start()
         log.info("server ready", extra={"fields": {"model": config.model_name, "max_rows": scheduler.max_rows,
                                                    "max_context": max_context}})

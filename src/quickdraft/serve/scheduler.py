@@ -310,7 +310,7 @@ class Scheduler:
         batch = _Batch(key, None)  # type: ignore[arg-type]
         batch.decoder = Decoder(
             target, [], method=method, drafter=drafter, rule=pipe.ready_rule(spec.rule),
-            policy=pipe.ready_policy(spec.policy, method), sampling=key.sampling,
+            policy=pipe.ready_policy(spec.policy, method, max_rows=self.max_rows), sampling=key.sampling,
             seed=key.seed, eos_token_ids=self.eos_ids, stop=lambda row, ids: self._stop_cut(batch, row, ids),
         )
         return batch

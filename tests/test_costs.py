@@ -95,6 +95,9 @@ def test_batch_costs_interpolate_between_the_measured_rows():
     assert served.step(1, rows=3) == pytest.approx((2.8 + 5.0) / 2 + 0.01)
     assert served.step(1, rows=6) == pytest.approx(5.0 + (5.0 - 2.8) + 0.01)  # the last two rows' slope
     assert served.without_draft().step(2, rows=4) == pytest.approx(6.51)
+    noisy = StepCost(target=one.target, draft=0.2, batched=(RowsCost(2, (1.5, 2.5, 3.5), 0.3),
+                                                             RowsCost(4, (1.4, 2.4, 3.4), 0.3)))
+    assert noisy.step(1, rows=8) == pytest.approx(noisy.step(1, rows=4))  # a falling last slope is not followed
     with pytest.raises(QuickdraftError, match="ascending"):
         StepCost(target=one.target, draft=0.2, batched=served.batched[::-1])
     with pytest.raises(QuickdraftError, match="as many target sizes"):
@@ -234,3 +237,16 @@ def test_generate_drafts_under_the_cost_policy_by_default(monkeypatch, tiny_targ
     assert plain.output.split("\n--- ")[0].splitlines()[-1] == text
     drafted = CliRunner().invoke(app, [*common, "--method", "sd", "--policy", "constant"])
     assert "policy=constant" in drafted.output and "acceptance by position" in drafted.output
+
+
+def test_the_cost_modules_examples_hold():
+    """The docstring examples of the costs and the policies (interpolation, the batch grid, the
+    length chosen at one row and at sixteen)."""
+    import doctest
+
+    import quickdraft.backends.costs
+    import quickdraft.decoding.policies
+
+    for module in (quickdraft.backends.costs, quickdraft.decoding.policies):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

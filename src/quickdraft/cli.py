@@ -277,8 +277,10 @@ def serve(
     method: str = typer.Option("sd", help="Default method: ar, sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, amusd, fsd, typical, "
                                 "ersd, lantern, cd, scd."),
     k: int = typer.Option(4, "--k", help="Default draft length."),
-    policy: str = typer.Option("constant", help="Default draft-length policy: constant, heuristic, confidence, specdecpp, "
-                               "cost, auto (as for `generate`)."),
+    policy: str = typer.Option("auto", help="Default draft-length policy: constant, heuristic, confidence, specdecpp, "
+                               "cost, auto (as for `generate`: cost for chain methods, deciding each step by the "
+                               "forward costs at the rows it decodes, measured over batches up to --max-batch at start "
+                               "and cached)."),
     temperature: float = typer.Option(0.0, help="Default temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Default top-p."),
     top_k: int = typer.Option(0, "--top-k", help="Default top-k (0 = off)."),

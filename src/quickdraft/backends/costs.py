@@ -83,8 +83,8 @@ class StepCost:
 
     def step(self, k: int, rows: int = 1) -> float:
         """Seconds of a step drafting ``k`` tokens in each of ``rows`` rows. Between measured row
-        counts the costs are interpolated linearly, beyond the largest extrapolated from the last two;
-        without batch costs every batch costs what one row does.
+        counts the costs are interpolated linearly, beyond the largest extrapolated from the last two
+        (never below the largest's); without batch costs every batch costs what one row does.
 
         >>> c = StepCost((1.0, 1.5), draft=0.5, batched=(RowsCost(3, (2.0, 4.0), 1.0),))
         >>> c.step(1), c.step(1, rows=3), c.step(1, rows=2), c.step(1, rows=5)
@@ -99,7 +99,8 @@ class StepCost:
         if rows == 1 or len(points) == 1:
             return points[0][1] + self.overhead
         (r0, c0), (r1, c1) = next(((a, b) for a, b in zip(points, points[1:]) if rows <= b[0]), points[-2:])
-        return c0 + (c1 - c0) * (rows - r0) / (r1 - r0) + self.overhead
+        seconds = c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+        return (seconds if rows <= r1 else max(seconds, c1)) + self.overhead  # more rows never cost less
 
     def without_draft(self) -> "StepCost":
         """The same step for a drafter without a model (prompt lookup, retrieval): free drafts."""

@@ -82,6 +82,8 @@ class ServeDefaults:
     ``head`` is the acceptance head of ``policy="specdecpp"`` (a file on the server; a request can
     choose the policy but never a path). ``fsd_raw``, ``divergence_top_k``, ``divergence_top_p`` and
     ``phrase_sd``'s pool settings (``phrase_len``, ``phrase_pool``, ``phrase_max_draft``) are server-wide.
+    ``policy`` defaults to ``constant`` here, as in :meth:`quickdraft.pipeline.Pipeline.generate`:
+    ``quickdraft serve`` passes its ``--policy``, ``auto`` unless given.
     """
 
     method: str = "sd"

@@ -58,23 +58,12 @@ class PositionalAcceptance(CostAware):
         self.reached = [0.0] * (self.max_k + 1)
         self.failed = [0.0] * (self.max_k + 1)
 
-    def lengths_rate(self, survive: list[float]) -> int:
-        best_k, best_rate, tokens = 0, 1.0 / self.costs.step(0), 1.0
-        for k in range(1, self.max_k + 1):
-            tokens += survive[k - 1]
-            if tokens / self.costs.step(k) > best_rate * (1 + 1e-9):
-                best_k, best_rate = k, tokens / self.costs.step(k)
-        return best_k
-
-    def begin_step(self) -> int:
-        survive, s = [], 1.0
+    def expected_by_length(self) -> list[float]:
+        expected, survive = [1.0], 1.0
         for i in range(1, self.max_k + 1):
-            s *= 1 - (self.failed[i] + (1 - self.prior) * self.prior_weight) / (self.reached[i] + self.prior_weight)
-            survive.append(s)
-        k = self.lengths_rate(survive)
-        if k == 0 and self.plain_steps >= self.probe_every and best_draft_length(self.probe_alpha, self.costs, self.max_k):
-            return 1
-        return k
+            survive *= 1 - (self.failed[i] + (1 - self.prior) * self.prior_weight) / (self.reached[i] + self.prior_weight)
+            expected.append(expected[-1] + survive)
+        return expected
 
     def update(self, num_drafted: int, num_accepted: torch.Tensor) -> None:
         super().update(num_drafted, num_accepted)

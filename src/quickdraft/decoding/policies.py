@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 import torch
 
@@ -209,10 +209,27 @@ def expected_tokens(alpha: float, k: int) -> float:
     return float(sum(alpha ** i for i in range(int(k) + 1)))
 
 
+def best_length(expected: Sequence[float], costs: "StepCost", rows: int = 1) -> int:
+    """The draft length ``k`` in ``[0, len(expected) - 1]`` that maximises expected tokens per
+    second, ``expected[k] / costs.step(k, rows)`` (``expected[k]``: the tokens a step drafting ``k``
+    emits on average; every row drafts ``k``); ``0`` (a plain step) wins ties, so a draft is made
+    only where it is expected to pay.
+
+    >>> from quickdraft.backends.costs import StepCost
+    >>> best_length([1.0, 1.9, 2.2], StepCost((1.0, 1.1, 1.2), draft=0.1)), best_length([1.0, 1.1], StepCost((1.0, 1.2), draft=0.1))
+    (1, 0)
+    """
+    best_k, best_rate = 0, expected[0] / costs.step(0, rows)
+    for k in range(1, len(expected)):
+        rate = expected[k] / costs.step(k, rows)
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return best_k
+
+
 def best_draft_length(alpha: float, costs: "StepCost", max_k: int, rows: int = 1) -> int:
-    """The draft length ``k`` in ``[0, max_k]`` that maximises expected tokens per second,
-    ``expected_tokens(alpha, k) / costs.step(k, rows)`` (every row drafts ``k``); ``0`` (a plain
-    step) wins ties, so a draft is made only where it is expected to pay.
+    """:func:`best_length` for a geometric acceptance at rate ``alpha``: the ``k`` in ``[0, max_k]``
+    that maximises ``expected_tokens(alpha, k) / costs.step(k, rows)``.
 
     >>> from quickdraft.backends.costs import StepCost
     >>> flat = StepCost(tuple(1.0 + 0.0125 * m for m in range(9)), draft=0.1)     # memory-bound target
@@ -224,12 +241,7 @@ def best_draft_length(alpha: float, costs: "StepCost", max_k: int, rows: int = 1
     >>> best_draft_length(0.8, served, 8), best_draft_length(0.8, served, 8, rows=16)
     (5, 0)
     """
-    best_k, best_rate = 0, 1.0 / costs.step(0, rows)
-    for k in range(1, int(max_k) + 1):
-        rate = expected_tokens(alpha, k) / costs.step(k, rows)
-        if rate > best_rate * (1 + 1e-9):
-            best_k, best_rate = k, rate
-    return best_k
+    return best_length([expected_tokens(alpha, k) for k in range(int(max_k) + 1)], costs, rows)
 
 
 def batch_stop(risk: torch.Tensor, threshold: float, rule: BatchRule = "mean") -> bool:
@@ -400,11 +412,16 @@ class CostAware(Policy):
         if len(self.costs.target) < self.max_k + 1:
             raise QuickdraftError(f"the cost policy drafts up to {self.max_k} tokens but its costs cover target "
                                   f"forwards of up to {len(self.costs.target)} tokens, not {self.max_k + 1}")
-        k = best_draft_length(self.alpha, self.costs, self.max_k, self.rows)
+        k = best_length(self.expected_by_length(), self.costs, self.rows)
         if k == 0 and self.plain_steps >= self.probe_every and best_draft_length(
                 self.probe_alpha, self.costs, self.max_k, self.rows):
             return 1
         return k
+
+    def expected_by_length(self) -> list[float]:
+        """The tokens a step emits on average when it drafts ``k = 0 … max_k``, under the running
+        estimate (:func:`expected_tokens` at ``alpha``)."""
+        return [expected_tokens(self.alpha, k) for k in range(self.max_k + 1)]
 
     def observe_rows(self, rows: int) -> None:
         self.rows = max(1, int(rows))

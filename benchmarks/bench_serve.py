@@ -7,6 +7,10 @@ decoding (``"speculative": {"method": "sd", "k": K, "policy": P}`` for each ``--
 target's GGUF is in the cache, ``python -m llama_cpp.server`` on the same target is measured the
 same way; otherwise that row is skipped with the reason printed and recorded.
 
+``--mixed-temperature T`` adds a row whose requests alternate between temperature 0 and ``T`` (two
+sampling settings: two batches in the server, which take turns), with the time to first token per
+temperature: whether one setting's requests wait for the other's.
+
 Per row: requests, completion tokens, wall time, throughput (completion tokens / wall time),
 time to first token and inter-token latency (``(t_last - t_first) / (tokens - 1)`` per request,
 from the arrival times of the streamed chunks; a speculative step streams several tokens in one
@@ -69,6 +73,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--policies", nargs="+", default=["constant"],
                    help="draft-length policies of the sd rows (quickdraft-sd: constant; others quickdraft-sd-<policy>)")
+    p.add_argument("--mixed-temperature", type=float, default=None, metavar="T",
+                   help="also a row of sd requests alternating between temperature 0 and T (two settings, two "
+                        "batches in the server), with time to first token per temperature")
+    p.add_argument("--skip-uniform", action="store_true", help="only the mixed row (with --mixed-temperature)")
+    p.add_argument("--skip-llamacpp", action="store_true", help="no llama-cpp-python server row")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default: /v1/completions)")
     p.add_argument("--gguf", default=None, help="target GGUF for the llama.cpp row (default: the cache's)")
     p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1,
@@ -252,8 +261,9 @@ def summary(values: list[float]) -> dict:
 
 
 def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
-            speculative: dict | None, chat: bool, timeout: float) -> dict:
-    """``requests`` streamed requests from ``concurrency`` client threads."""
+            speculative: dict | None, chat: bool, timeout: float, temperatures: tuple[float, ...] = (0.0,)) -> dict:
+    """``requests`` streamed requests from ``concurrency`` client threads; request ``i`` samples at
+    ``temperatures[i % len(temperatures)]`` (several: time to first token also per temperature)."""
     requests = max(requests, concurrency)
     todo = list(range(requests))
     lock = threading.Lock()
@@ -266,7 +276,8 @@ def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests
                     return
                 i = todo.pop(0)
             prompt = prompts[i % len(prompts)]
-            body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            temperature = temperatures[i % len(temperatures)]
+            body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
                     "stream_options": {"include_usage": True}}
             if chat:
                 body["messages"] = [{"role": "user", "content": prompt}]
@@ -274,7 +285,7 @@ def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests
                 body["prompt"] = prompt
             if speculative is not None:
                 body["speculative"] = speculative
-            res = one_request(url, body, chat)
+            res = {**one_request(url, body, chat), "temperature": temperature}
             with lock:
                 results.append(res)
 
@@ -292,12 +303,14 @@ def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests
     ttft = [r["stamps"][0] for r in ok if r["stamps"]]
     itl = [(r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1) for r in ok if r["stamps"] and (r["tokens"] or 0) > 1]
     mal = [r["quickdraft"]["mean_acceptance_length"] for r in ok if r.get("quickdraft")]
+    by_temperature = {str(t): summary([r["stamps"][0] for r in ok if r["stamps"] and r["temperature"] == t])
+                      for t in temperatures} if len(temperatures) > 1 else None
     return {
         "concurrency": concurrency, "requests": requests, "failed": len(results) - len(ok),
         "errors": sorted({str(r["error"])[:200] for r in results if r.get("error")}),
         "completion_tokens": tokens, "token_count": sorted({r["token_count"] for r in ok}),
         "wall_seconds": wall, "throughput_tokens_per_second": tokens / wall if wall else 0.0,
-        "ttft_seconds": summary(ttft), "itl_seconds": summary(itl),
+        "ttft_seconds": summary(ttft), "itl_seconds": summary(itl), "ttft_seconds_by_temperature": by_temperature,
         "mean_acceptance_length": statistics.fmean(mal) if mal else None,
     }
 
@@ -377,18 +390,22 @@ def main() -> None:
     try:
         for c in args.concurrency:
             rows = [("quickdraft-sd" if policy == "constant" else f"quickdraft-sd-{policy}",
-                     {"method": "sd", "k": args.k, "policy": policy}) for policy in args.policies]
-            for name, spec in (*rows, ("quickdraft-ar", {"method": "ar"})):
+                     {"method": "sd", "k": args.k, "policy": policy}, (0.0,)) for policy in args.policies]
+            rows = [] if args.skip_uniform else [*rows, ("quickdraft-ar", {"method": "ar"}, (0.0,))]
+            if args.mixed_temperature is not None:
+                rows.append((f"quickdraft-sd-mixed-t{args.mixed_temperature:g}",
+                             {"method": "sd", "k": args.k, "policy": args.policies[0]}, (0.0, args.mixed_temperature)))
+            for name, spec, temperatures in rows:
                 row = {"server": name, **run_row(server.url, server.model, prompts, c, args.requests, args.max_tokens,
-                                                 spec, args.chat, args.timeout)}
+                                                 spec, args.chat, args.timeout, temperatures)}
                 record["rows"].append(row)
                 save(out_path, record)
                 print(json.dumps({k: row.get(k) for k in ("server", "concurrency", "throughput_tokens_per_second",
                                                           "ttft_seconds", "itl_seconds", "mean_acceptance_length",
-                                                          "failed")}), flush=True)
+                                                          "ttft_seconds_by_temperature", "failed")}), flush=True)
     finally:
         server.stop()
-    reason, gguf = llamacpp_unavailable(args.gguf)
+    reason, gguf = ("--skip-llamacpp", None) if args.skip_llamacpp else llamacpp_unavailable(args.gguf)
     if reason is None and args.tiny:
         reason = "--tiny serves models that have no GGUF"
     if reason:

@@ -46,6 +46,7 @@ class Replay:
     def __init__(self, body: bytes, cut: bool = False) -> None:
         self.events = [e + b"\n\n" for e in body.split(b"\n\n") if e.strip()]
         self.cut = cut
+        self.requests: list[dict] = []  # the JSON bodies received
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
@@ -70,6 +71,7 @@ class Replay:
                            if line.lower().startswith(b"content-length:")), 0)
             while len(rest) < length:
                 rest += conn.recv(65536)
+            self.requests.append(json.loads(rest))
             conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                          b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
             for event in self.events:
@@ -108,6 +110,20 @@ def test_llamacpp_row_is_not_zero(bench_serve):
         server.close()
     assert row["failed"] == 0 and row["completion_tokens"] == 3 * 16 and row["token_count"] == ["chunks"]
     assert row["throughput_tokens_per_second"] > 0 and row["itl_seconds"]["p50"] is not None
+
+
+def test_mixed_row_alternates_temperatures_and_reports_each(bench_serve):
+    server = Replay((DATA / "completions.txt").read_bytes())
+    try:
+        row = bench_serve.run_row(server.url, "m", ["a"], 2, 5, 16, {"method": "sd"}, False, 60.0, (0.0, 0.7))
+        uniform = bench_serve.run_row(server.url, "m", ["a"], 1, 1, 16, None, False, 60.0)
+    finally:
+        server.close()
+    assert sorted(r["temperature"] for r in server.requests[:5]) == [0.0, 0.0, 0.0, 0.7, 0.7]
+    assert all(r["speculative"] == {"method": "sd"} for r in server.requests[:5]) and row["failed"] == 0
+    assert set(row["ttft_seconds_by_temperature"]) == {"0.0", "0.7"}
+    assert all(s["p50"] is not None for s in row["ttft_seconds_by_temperature"].values())
+    assert uniform["failed"] == 0 and uniform["ttft_seconds_by_temperature"] is None
 
 
 def test_cut_stream_is_a_failed_request(bench_serve):

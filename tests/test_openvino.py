@@ -142,6 +142,68 @@ def test_rows_can_join_and_leave(ov_models):
     assert torch.allclose(again, expect, atol=1e-5)
 
 
+def test_select_rows_forks_rows_that_continue_like_their_source(ov_models):
+    runner = _runner(ov_models[0])
+    runner.reset(2)
+    runner.forward(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    runner.truncate(torch.tensor([3, 2]))  # a hole in row 1 travels with it
+    runner.select_rows([1, 1, 0])
+    assert runner.batch_size == 3 and runner.lengths.tolist() == [2, 2, 3]
+    out = runner.forward(torch.tensor([[9], [9], [9]]), logits_to_keep=1).logits
+    for row, ids in ((0, [4, 5, 9]), (1, [4, 5, 9]), (2, [1, 2, 3, 9])):
+        alone = _runner(ov_models[0])
+        alone.reset(1)
+        expect = alone.forward(torch.tensor([ids]), logits_to_keep=1).logits
+        assert torch.allclose(out[row], expect[0], atol=1e-5)
+    with pytest.raises(QuickdraftError, match="out of range"):
+        runner.select_rows([3])
+
+
+def test_a_sibling_has_a_cache_of_its_own_over_the_same_compiled_model(ov_models):
+    runner = _runner(ov_models[0])
+    runner.reset(1)
+    runner.forward(torch.tensor([[1, 2, 3]]))
+    twin = runner.sibling()
+    assert twin.compiled is runner.compiled and twin.request is not runner.request and twin.batch_size == 0
+    twin.reset(2)
+    out = twin.forward(torch.tensor([[7, 8], [9, 10]]), logits_to_keep=1).logits
+    assert runner.lengths.tolist() == [3]  # the source keeps its context
+    after = runner.forward(torch.tensor([[4]]), logits_to_keep=1).logits
+    for got, ids in ((out[0], [7, 8]), (out[1], [9, 10]), (after[0], [1, 2, 3, 4])):
+        alone = _runner(ov_models[0])
+        alone.reset(1)
+        assert torch.allclose(got, alone.forward(torch.tensor([ids]), logits_to_keep=1).logits[0], atol=1e-5)
+
+
+def test_the_server_steps_batches_of_different_settings_in_turn(ov_models, tiny_target, tiny_draft):
+    """Three requests whose settings differ (greedy `sd`, seeded sampling `sd`, plain `ar`) run at once,
+    each in a batch of its own over the one compiled model, and each gets the text it gets alone."""
+    from quickdraft.pipeline import Pipeline
+    from quickdraft.serve.scheduler import Job, Scheduler
+    from quickdraft.serve.settings import ServeDefaults, build_spec
+
+    from conftest import word_tokenizer
+
+    pipe = Pipeline(tiny_target, word_tokenizer(), tiny_draft, target_runner=_runner(ov_models[0]),
+                    draft_runner=_runner(ov_models[1], "draft"))
+    prompt, tokens = [5, 6, 7, 8], 20
+    jobs = [Job([prompt], tokens, ServeDefaults(method="sd", k=3), SamplingParams()),
+            Job([prompt], tokens, ServeDefaults(method="sd", k=3), SamplingParams(temperature=0.9), seed=3),
+            Job([prompt], tokens, ServeDefaults(method="ar"), SamplingParams())]
+    scheduler = Scheduler(pipe, max_rows=4)
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    assert all(job.done.wait(120) for job in jobs) and scheduler.drain(60)
+    assert [job.error for job in jobs] == [None] * 3
+    assert max(job.first_token_at for job in jobs) < min(job.finished_at for job in jobs)  # side by side
+    for job in jobs:
+        spec = build_spec(job.settings, job.sampling, job.seed or 0)
+        alone = pipe.generate([], prompt_ids=[prompt], method=spec.engine_method, policy=spec.policy, rule=spec.rule,
+                              sampling=job.sampling, max_new_tokens=tokens, seed=job.seed or 0).completions[0]
+        assert job.choices[0].token_ids == alone.token_ids
+
+
 def test_tree_forward_matches_the_torch_runner(ov_models, tiny_target):
     """A tree block (root -> {a, b}, a -> {c}) and a commit of the path root, a, c."""
     tokens = torch.tensor([[10, 11, 12, 13]])

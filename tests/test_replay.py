@@ -219,6 +219,46 @@ def test_measure_step_cost_times_every_size_and_restores_the_caches(tiny_target,
         measure_step_cost(target, draft, context, max_k=3, max_rows=0)
 
 
+class _Counting:
+    """A runner that records the rows and sizes of its forwards; ``fork=False`` hides ``select_rows``."""
+
+    def __init__(self, runner, fork: bool):
+        self.runner, self.fork, self.calls = runner, fork, []
+
+    def __getattr__(self, name):
+        if name == "select_rows" and not self.fork:
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    def forward(self, ids, **kwargs):
+        self.calls.append(tuple(ids.shape))
+        return self.runner.forward(ids, **kwargs)
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_measure_step_cost_prefills_once_where_rows_fork(tiny_target, tiny_draft, fork):
+    target = _Counting(ModelRunner(tiny_target, "target"), fork)
+    draft = _Counting(ModelRunner(tiny_draft, "draft"), fork)
+    context = list(range(1, 12))
+    cost = measure_step_cost(target, draft, context, max_k=2, repeats=1, max_rows=4)
+    assert [r.rows for r in cost.batched] == [2, 4]
+    for runner in (target, draft):
+        prefills = [shape for shape in runner.calls if shape[1] == len(context)]
+        # forks: one prefill of one row; without select_rows: one per row count, one row again last
+        assert prefills == ([(1, 11)] if fork else [(1, 11), (2, 11), (4, 11), (1, 11)])
+        assert {shape[0] for shape in runner.calls} == {1, 2, 4}  # every row count timed
+        assert runner.batch_size == 1 and int(runner.lengths[0]) == len(context)
+    # the forked rows continue like the context in one row
+    assert torch.allclose(target.runner.forward(torch.tensor([[5]]), logits_to_keep=1).logits,
+                          _alone(tiny_target, context + [5]), atol=1e-5)
+
+
+def _alone(model, ids):
+    runner = ModelRunner(model, "alone")
+    runner.reset(1)
+    return runner.forward(torch.tensor([ids]), logits_to_keep=1).logits
+
+
 def test_select_rows_forks_rows_that_continue_like_their_source(tiny_draft):
     runner = ModelRunner(tiny_draft, "draft")
     prompts = torch.tensor([[0, 0, 1, 2, 3], [4, 5, 6, 7, 8]])

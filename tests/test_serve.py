@@ -33,6 +33,7 @@ from quickdraft.pipeline import Pipeline  # noqa: E402
 from quickdraft.decoding.policies import Constant  # noqa: E402
 from quickdraft.backends.runner import ModelRunner  # noqa: E402
 from quickdraft.verification.sampling import SamplingParams  # noqa: E402
+from quickdraft.errors import QuickdraftError  # noqa: E402
 from quickdraft.serve.app import ServerConfig, create_app  # noqa: E402
 from quickdraft.serve.scheduler import held_back  # noqa: E402
 from quickdraft.serve.settings import ServeDefaults, build_spec  # noqa: E402
@@ -545,6 +546,25 @@ def test_cli_serve_refuses_bad_defaults_before_loading_models():
         result = runner.invoke(app, ["serve", "--target", "/nonexistent", *args])
         assert result.exit_code == 2, (args, result.output)
         assert fragment in result.output, (args, result.output)
+
+
+def test_cli_serve_runs_on_openvino_where_installed_never_llamacpp(monkeypatch):
+    from typer.testing import CliRunner
+
+    from quickdraft.backends.openvino import is_available
+    from quickdraft.cli import app
+
+    chosen = []
+
+    def from_specs(*args, backend, **kwargs):
+        chosen.append(backend)
+        raise QuickdraftError("stopped before loading")
+
+    monkeypatch.setattr(Pipeline, "from_specs", from_specs)
+    monkeypatch.setattr("quickdraft.backends.prefers_llamacpp", lambda flags: True)  # as on an AVX2-only CPU
+    result = CliRunner().invoke(app, ["serve", "--target", "target"])
+    assert result.exit_code == 2 and "stopped before loading" in result.output
+    assert chosen == ["openvino" if is_available() else "torch"]
 
 
 # -- disconnects, shutdown, load -------------------------------------------------------------------

@@ -264,7 +264,8 @@ def serve(
     target: str = typer.Option("target", help="Registry name, alias, HF model directory or .gguf file."),
     draft: str = typer.Option("draft", help="Registry name, alias, HF model directory or .gguf file; 'none' for no draft."),
     backend: str = typer.Option(
-        "torch", help="torch (continuous batching); openvino (one batch at a time); llamacpp (one request at a time)."),
+        "auto", help="auto (openvino where installed, else torch); torch or openvino (continuous batching); "
+                     "llamacpp (one request at a time)."),
     dtype: str = typer.Option("auto", help="auto (bf16 where the CPU supports it), bfloat16, float32."),
     draft_dtype: Optional[str] = typer.Option(None, "--draft-dtype", help="Draft dtype (default: as --dtype)."),
     quantize: str = typer.Option("auto", help="Weights: auto, none, int8, int4 or int4all (as for `generate`)."),
@@ -342,6 +343,7 @@ def serve(
             raise QuickdraftError(f"the default method {method!r} retrieves its drafts: give --datastore PATH")
         if datastore is not None and not Path(datastore).exists():
             raise QuickdraftError(f"datastore {datastore} does not exist")
+        backend = resolve_backend(backend)  # never llamacpp: it serves one request at a time
         pipe = Pipeline.from_specs(
             target, use_draft, dtype=dtype, backend=backend, quantize=quantize, quantize_draft=quantize_draft,
             draft_dtype=draft_dtype, draft_vocab=full_head_unless_given(draft_vocab, spec.rule) if use_draft else None,

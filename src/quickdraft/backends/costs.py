@@ -130,28 +130,40 @@ def measure_step_cost(target, draft, context: Sequence[int], max_k: int, repeats
     draft (a runner, or ``None``: cost 0) over one token, each rolled back after timing (so every one
     sees the same cache). The sizes are timed round-robin, ``repeats`` rounds after a warm-up, so a
     slow phase of the machine spreads over all. ``max_rows > 1`` also measures them with ``context``
-    in each of the rows of :func:`batch_grid` (``StepCost.batched``). The runners are left holding
-    ``context`` in one row."""
+    in each of the rows of :func:`batch_grid` (``StepCost.batched``): the context is prefilled once
+    and forked into the rows (``select_rows``) where the runners can, else prefilled in every row.
+    The runners are left holding ``context`` in one row."""
     if len(context) < max_k + 1:
         raise QuickdraftError(f"measure_step_cost needs a context of at least max_k + 1 = {max_k + 1} tokens")
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise QuickdraftError(f"max_rows must be an integer >= 1, got {max_rows!r}")
-    batched = []
+    runners = [r for r in (target, draft) if r is not None]
+    ctx = torch.tensor([list(context)])
+    for runner in runners:
+        _prefill(runner, ctx, 1)
+    batched, held = [], 1  # the rows that hold the context (every timed forward is rolled back)
     for rows in batch_grid(max_rows) + (1,):  # one row last: the runners keep its context
-        target_times, draft_time = _forward_times(target, draft, context, max_k, repeats, rows)
+        if rows != held:
+            for runner in runners:
+                if hasattr(runner, "select_rows"):
+                    runner.select_rows([0] * rows)
+                else:
+                    _prefill(runner, ctx, rows)
+            held = rows
+        target_times, draft_time = _forward_times(target, draft, ctx.expand(rows, -1), max_k, repeats)
         if rows > 1:
             batched.append(RowsCost(rows, target_times, draft_time))
     return StepCost(target=target_times, draft=draft_time, batched=tuple(batched))
 
 
-def _forward_times(target, draft, context: Sequence[int], max_k: int, repeats: int,
-                   rows: int) -> tuple[tuple[float, ...], float]:
-    runners = [r for r in (target, draft) if r is not None]
-    ctx = torch.tensor([list(context)] * rows, dtype=torch.long)
-    for runner in runners:
-        runner.reset(rows)
-        runner.forward(ctx.to(getattr(runner, "device", "cpu")), logits_to_keep=1)
-    base = torch.full((rows,), len(context))
+def _prefill(runner, ctx: torch.Tensor, rows: int) -> None:
+    runner.reset(rows)
+    runner.forward(ctx.expand(rows, -1).to(getattr(runner, "device", "cpu")), logits_to_keep=1)
+
+
+def _forward_times(target, draft, ctx: torch.Tensor, max_k: int, repeats: int) -> tuple[tuple[float, ...], float]:
+    """The timed rounds over the runners' current rows, which hold ``ctx`` (``[rows, L]``)."""
+    base = torch.full((ctx.shape[0],), ctx.shape[1])
 
     def run(runner, m: int) -> float:
         block = ctx[:, -m:].to(getattr(runner, "device", "cpu"))
@@ -161,7 +173,7 @@ def _forward_times(target, draft, context: Sequence[int], max_k: int, repeats: i
         runner.truncate(base.to(runner.lengths.device))
         return seconds
 
-    for runner in runners:  # warm-up
+    for runner in (r for r in (target, draft) if r is not None):  # warm-up
         run(runner, 1)
     target_times: list[list[float]] = [[] for _ in range(max_k + 1)]
     draft_times: list[float] = []

@@ -73,6 +73,10 @@ class ModelRunner:
         self.record_hidden = False
         self.reset(0)
 
+    def sibling(self) -> "ModelRunner":
+        """A runner over the same weights with an empty cache of its own (a server's batch)."""
+        return ModelRunner(self.model, self.name)
+
     def cost_identity(self) -> dict | None:
         """What decides this runner's forward times (:func:`quickdraft.backends.costs.cost_key`):
         the weights' files, their dtypes and the layers' kinds (quantised or packed), torch's

@@ -17,9 +17,10 @@ batch frees its rows when the last one finishes, which keeps its draws those of 
 alone). An exception inside a
 step fails the requests of that batch only; the other batches go on.
 
-On the torch backend every batch has KV caches of its own over the shared weights. Other backends
-own one cache: their batches run one at a time (a request with other settings waits for the
-running batch to empty), and a backend without ``add_rows`` (llama.cpp) serves one row at a time.
+Every batch has runners of its own over the pipeline's weights (``sibling``: on torch KV caches of
+their own, on OpenVINO an infer request of its own over the one compiled model), so the batches of
+different settings take turns step by step. A backend without siblings (llama.cpp) runs one batch
+at a time, and one without ``add_rows`` serves one row at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Callable
 from quickdraft.decoding.engine import Decoder
 from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.metrics import GenerationMetrics
-from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 from quickdraft.serve.metrics import ServerMetrics
 from quickdraft.serve.settings import ServeDefaults, StepKey, build_spec
@@ -179,7 +179,9 @@ class Scheduler:
         self.pipe = pipe
         self.metrics = metrics or ServerMetrics()
         self.lookup_k = lookup_k
-        self.shared_weights = type(pipe.target) is ModelRunner
+        # every batch gets runners of its own over the pipeline's weights (``sibling``), so batches
+        # of different settings take turns; a backend without siblings runs one batch at a time
+        self.shared_weights = all(hasattr(r, "sibling") for r in (pipe.target, pipe.draft) if r is not None)
         row_ops = self.shared_weights or hasattr(pipe.target, "add_rows")
         self.max_rows = max_rows if row_ops else 1
         self.eos_ids = pipe.eos_ids()
@@ -299,8 +301,8 @@ class Scheduler:
         pipe = self.pipe
         spec = build_spec(key.settings, key.sampling, key.seed)
         if self.shared_weights:
-            target = ModelRunner(pipe.target_model, "target")
-            draft = ModelRunner(pipe.draft_model, "draft") if pipe.draft_model is not None else None
+            target = pipe.target.sibling()
+            draft = pipe.draft.sibling() if pipe.draft is not None else None
         else:
             target, draft = pipe.target, pipe.draft
         method = spec.engine_method

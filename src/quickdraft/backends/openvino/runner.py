@@ -21,6 +21,7 @@ returns: a lossless method is lossless with respect to *this* backend's distribu
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from contextlib import nullcontext
@@ -241,6 +242,16 @@ class OpenVINORunner:
         self.num_forwards = 0
         self.infer_seconds = 0.0
         self.reset(0)
+
+    def sibling(self) -> "OpenVINORunner":
+        """A runner over the same compiled model with an empty cache of its own: an infer request of
+        its own holds the state (a server's batch), the weights are the compiled model's, shared."""
+        twin = copy.copy(self)
+        twin.request = self.compiled.create_infer_request()
+        twin._states = list(twin.request.query_state())
+        twin.num_forwards, twin.infer_seconds = 0, 0.0
+        twin.reset(0)
+        return twin
 
     def cost_identity(self) -> dict | None:
         """What decides this runner's forward times (:func:`quickdraft.backends.costs.cost_key`)."""
@@ -485,14 +496,24 @@ class OpenVINORunner:
     def remove_rows(self, rows: list[int] | torch.Tensor) -> None:
         """Drop the given rows from the batch (the others keep their order)."""
         drop = set(int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows))
-        keep = [r for r in range(self.batch_size) if r not in drop]
-        states = self._get_states()
-        self._set_states([s[keep] for s in states])
-        self.slot_pos = self.slot_pos[keep]
-        self.lengths = self.lengths[keep]
+        self.select_rows([r for r in range(self.batch_size) if r not in drop])
         used = (self.slot_pos >= 0).any(dim=0)
         if self.batch_size == 0 or not bool(used.any()):
             self.reset(self.batch_size)
+
+    def select_rows(self, rows: list[int] | torch.Tensor) -> None:
+        """Make the batch the given rows, in that order: row ``i`` becomes a copy of row ``rows[i]``
+        (a row may be repeated: forks of one context, as
+        :meth:`quickdraft.backends.runner.ModelRunner.select_rows`)."""
+        if self.tree_start is not None:
+            raise QuickdraftError(f"{self.name}: select_rows while a tree session is open")
+        index = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.batch_size):
+            raise QuickdraftError(f"{self.name}: rows {index.tolist()} out of range for a batch of {self.batch_size}")
+        picked = index.numpy()
+        self._set_states([s[picked] for s in self._get_states()])
+        self.slot_pos = self.slot_pos.index_select(0, index)
+        self.lengths = self.lengths.index_select(0, index)
 
     def close(self) -> None:
         self.request = None

@@ -193,6 +193,20 @@ def test_auto_is_the_cost_policy_where_a_step_may_be_plain():
         build_method("ersd", policy="cost", candidates=2)
 
 
+def test_a_methods_engine_method_is_the_one_build_method_runs():
+    """``may_skip_drafting`` asks ``engine_method_of`` against the engine's ``SKIPPABLE``: both must
+    name what ``build_method`` builds, for every method."""
+    from quickdraft.decoding.engine import METHODS, SKIPPABLE
+    from quickdraft.methods import METHOD_NAMES, engine_method_of, may_skip_drafting
+
+    for name in METHOD_NAMES:
+        for candidates in ((1, 3) if name == "ersd" else (1,)):
+            built = build_method(name, candidates=candidates).engine_method
+            assert built == engine_method_of(name, candidates) and built in METHODS, (name, candidates)
+            assert may_skip_drafting(name, candidates) == (built in SKIPPABLE)
+    assert [n for n in METHOD_NAMES if not may_skip_drafting(n)] == ["ar", "amusd", "cd", "scd", "tree"]
+
+
 def test_the_command_lists_and_forgets_the_measurements(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -68,12 +68,24 @@ class MethodSpec:
 POLICY_NAMES: tuple[str, ...] = ("constant", "heuristic", "confidence", "specdecpp", "cost", "auto")
 
 
+def engine_method_of(name: str, candidates: int = 1) -> str:
+    """The engine's method (:data:`quickdraft.decoding.engine.METHODS`) that runs method ``name``:
+    the chain rules (``fsd``, ``typical``, ``lantern``, ``ersd`` with one candidate) run as ``sd``,
+    ERSD with ``candidates`` > 1 as ``tree`` (a race tree), every other method as itself
+    (:func:`build_method`'s ``MethodSpec.engine_method``)."""
+    if name in ("fsd", "typical", "lantern") or (name == "ersd" and candidates <= 1):
+        return "sd"
+    return "tree" if name == "ersd" else name
+
+
 def may_skip_drafting(name: str, candidates: int = 1) -> bool:
     """Whether method ``name`` drafts one chain a step, so that a step may be a plain step instead
-    (what ``--policy cost`` chooses where no draft pays): every chain method but the ones that draft
-    otherwise — ``amusd`` (during verification), ``cd`` / ``scd`` (the amateur scores every token),
-    ``tree`` and ERSD with ``candidates`` > 1 (a tree) — and ``ar``, which never drafts."""
-    return name not in ("ar", "amusd", "cd", "scd", "tree") and not (name == "ersd" and candidates > 1)
+    (what ``--policy cost`` chooses where no draft pays): the engine runs it as one of
+    :data:`quickdraft.decoding.engine.SKIPPABLE` — not ``amusd`` (it drafts during verification),
+    ``cd`` / ``scd`` (the amateur scores every token), trees, nor ``ar``, which never drafts."""
+    from quickdraft.decoding.engine import SKIPPABLE
+
+    return engine_method_of(name, candidates) in SKIPPABLE
 
 
 def build_policy(policy: str, k: int, head: str | None = None, stop_threshold: float = 0.5) -> Policy:
@@ -178,9 +190,9 @@ def build_method(
         policy = "cost" if may_skip_drafting(name, candidates) else "constant"
     pol = build_policy(policy, k, head, stop_threshold)
     if policy == "cost" and not may_skip_drafting(name, candidates):
+        chains = ", ".join(n for n in METHOD_NAMES if may_skip_drafting(n))
         raise QuickdraftError(f"--policy cost chooses between drafting a chain and a plain step; {name} has no such "
-                              "choice (use it with sd, ngram, ngram_sd, rest, rest_sd, phrase_sd, fsd, typical, "
-                              "lantern or ersd with one candidate)")
+                              f"choice (use it with {chains}; ersd with one candidate)")
     if name == "ar":
         return MethodSpec(name, "ar", default_rule(sampling), pol, needs_draft=False)
     if name == "amusd":  # the draft model drafts the next block during verification
@@ -243,4 +255,4 @@ def build_method(
                 raise QuickdraftError("ERSD with candidates > 1 runs on a tree of fixed depth K: use --policy constant")
             config = TreeConfig(depth=k, topk=candidates, budget=tree_budget, scheme="race")
             return MethodSpec(name, "tree", rule, pol, needs_draft=True, tree=config)
-    return MethodSpec(name, "sd", rule, pol, needs_draft=True)
+    return MethodSpec(name, engine_method_of(name, candidates), rule, pol, needs_draft=True)

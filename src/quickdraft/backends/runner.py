@@ -43,6 +43,17 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def row_index(runner, rows: list[int] | torch.Tensor) -> torch.Tensor:
+    """``rows`` as a ``[n]`` int64 index into ``runner``'s batch, for ``select_rows``; refused while a
+    tree session is open or where a row is out of range."""
+    if runner.tree_start is not None:
+        raise QuickdraftError(f"{runner.name}: select_rows while a tree session is open")
+    index = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= runner.batch_size):
+        raise QuickdraftError(f"{runner.name}: rows {index.tolist()} out of range for a batch of {runner.batch_size}")
+    return index
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, m, V] float32 (only the positions asked for)
@@ -385,11 +396,7 @@ class ModelRunner:
         """Make the batch the given rows, in that order: row ``i`` becomes a copy of row ``rows[i]``
         (a row may be repeated: forks of one context, as :func:`quickdraft.adaptive.replay.draft_chains`
         drafts from many starts of one text at once)."""
-        if self.tree_start is not None:
-            raise QuickdraftError(f"{self.name}: select_rows while a tree session is open")
-        index = torch.as_tensor(rows, dtype=torch.long).reshape(-1).to(self.device)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.batch_size):
-            raise QuickdraftError(f"{self.name}: rows {index.tolist()} out of range for a batch of {self.batch_size}")
+        index = row_index(self, rows).to(self.device)
         for layer in self._cache_layers():
             for name in ("keys", "values"):
                 setattr(layer, name, getattr(layer, name).index_select(0, index))

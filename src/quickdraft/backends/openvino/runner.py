@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.backends.runner import ForwardOutput
+from quickdraft.backends.runner import ForwardOutput, row_index
 from quickdraft.verification.sampling import check_finite
 
 from .export import MODEL_XML, read_manifest
@@ -505,11 +505,7 @@ class OpenVINORunner:
         """Make the batch the given rows, in that order: row ``i`` becomes a copy of row ``rows[i]``
         (a row may be repeated: forks of one context, as
         :meth:`quickdraft.backends.runner.ModelRunner.select_rows`)."""
-        if self.tree_start is not None:
-            raise QuickdraftError(f"{self.name}: select_rows while a tree session is open")
-        index = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.batch_size):
-            raise QuickdraftError(f"{self.name}: rows {index.tolist()} out of range for a batch of {self.batch_size}")
+        index = row_index(self, rows)
         picked = index.numpy()
         self._set_states([s[picked] for s in self._get_states()])
         self.slot_pos = self.slot_pos.index_select(0, index)

@@ -64,6 +64,7 @@ import numpy as np
 import torch
 
 from quickdraft.evaluation.datasets import load_dataset
+from quickdraft.evaluation.rates import rate_ratio
 from quickdraft.models import resolve_dtype
 from quickdraft.decoding.policies import Constant
 from quickdraft.verification.sampling import SamplingParams
@@ -447,7 +448,10 @@ def run(args: argparse.Namespace) -> dict:
 def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -> dict:
     """Per config, temperature and dataset (and over all datasets): tokens/s over the prompts that
     *every* config completed at that temperature (a run stopped midway compares like with like),
-    ratios and acceptance. Keys ``<config>@T=<t>`` (all prompts) and ``<config>@<dataset>@T=<t>``."""
+    ratios and acceptance. Keys ``<config>@T=<t>`` (all prompts) and ``<config>@<dataset>@T=<t>``.
+    Each ratio to an anchor (``x_llamacpp_anchor``, ``x_<GenAI sd config>``) comes with
+    ``ci95_x_…``: its 95% paired bootstrap interval over the prompts (:func:`quickdraft.evaluation.rates.rate_ratio`;
+    ``NaN`` with fewer than 3 prompts)."""
     summary = {}
     datasets = list(dict.fromkeys(r.get("dataset", "humaneval") for r in rows))
     groups = [(None, t) for t in temperatures]
@@ -467,6 +471,15 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
             seconds = sum(r["seconds"] for r in sel)
             return sum(r["new_tokens"] for r in sel) / seconds if seconds else float("nan")
 
+        def interval(config: str, other: str) -> list[float]:
+            """The paired bootstrap interval of ``config``'s rate over ``other``'s (prompts both completed)."""
+            runs = {c: {r["prompt"]: r for r in rows_t if r["config"] == c and "error" not in r} for c in (config, other)}
+            both = [p for p in complete if p in runs[config] and p in runs[other]]
+            a, b = [runs[config][p] for p in both], [runs[other][p] for p in both]
+            r = rate_ratio([x["new_tokens"] for x in a], [x["seconds"] for x in a],
+                           [x["new_tokens"] for x in b], [x["seconds"] for x in b])
+            return [r.low, r.high]
+
         anchor = tps("llamacpp-anchor") if "llamacpp-anchor" in configs else None
         genai_sd = [c for c in configs if c.startswith("ovgenai-") and parse_config(c)[1] == "sd"]
         for config in configs:
@@ -482,11 +495,15 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
                 entry["errors"] = len(failed)
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
+                if config != "llamacpp-anchor":
+                    entry["ci95_x_llamacpp_anchor"] = interval(config, "llamacpp-anchor")
             if sel and all("engine_seconds" in r for r in sel):  # the engine's share of the time
                 entry["engine_share"] = sum(r["engine_seconds"] for r in sel) / sum(r["seconds"] for r in sel)
                 entry["engine_ms_per_step"] = 1000 * sum(r["engine_seconds"] for r in sel) / sum(r["steps"] for r in sel)
             for other in genai_sd:  # OpenVINO GenAI's own speculative decoding, the bar to beat
                 entry[f"x_{other}"] = entry["tokens_per_second"] / tps(other)
+                if config != other:
+                    entry[f"ci95_x_{other}"] = interval(config, other)
             key, method, _ = parse_config(config)
             if method == "amusd":  # against sequential sd on the same weights
                 for other in configs:

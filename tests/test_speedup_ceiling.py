@@ -66,3 +66,31 @@ def test_a_file_without_the_reference_is_refused(study, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["speedup_ceiling.py", str(results)])
     with pytest.raises(SystemExit, match="no one-token target forward of 'llamacpp'.*openvino-int8"):
         study.main()
+
+
+def test_the_ceiling_of_a_lossy_rule_over_lossless_sd(study, tmp_path, monkeypatch, capsys):
+    """Lossless sd K = 4 emitting 4 tokens a step against a rule that accepts every draft: per block,
+    m / (c(m) + (m - 1) d) over 4 / (c(5) + 4 d); the pipeline without a draft forward is left out."""
+    results = tmp_path / "perf.json"
+    results.write_text(json.dumps({"forward_seconds": {
+        "llamacpp/target/m=1": 0.05, "llamacpp/target/m=5": 0.2, "llamacpp/target/m=9": 0.4, "llamacpp/draft/m=1": 0.02,
+        "openvino-int8/target/m=1": 0.1, "openvino-int8/target/m=5": 0.125}}))
+    out = tmp_path / "ceiling.json"
+    monkeypatch.setattr(sys, "argv", ["speedup_ceiling.py", str(results), "--over-lossless", "4", "--out", str(out)])
+    study.main()
+    table = json.loads(out.read_text())
+    lossless = 4 / (0.2 + 4 * 0.02)
+    assert table["over_lossless"]["ceiling"] == {"llamacpp": {
+        "1": pytest.approx(1 / 0.05 / lossless), "5": pytest.approx(1.25), "9": pytest.approx(9 / (0.4 + 8 * 0.02) / lossless)}}
+    assert table["over_lossless"]["tokens_a_step"] == 4 and "--over-lossless 4" in table["command"]
+    assert "over sd K = 4 at 4 tokens a step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tokens, costs, match", [
+    (6.0, {5: 0.2}, "between 1 and 5"),
+    (0.0, {5: 0.2}, "between 1 and 5"),
+    (4.0, {1: 0.1, 9: 0.3}, "blocks of 5 tokens"),
+])
+def test_over_lossless_refuses_what_cannot_be(study, tokens, costs, match):
+    with pytest.raises(ValueError, match=match):
+        study.over_lossless(costs, draft=0.01, tokens_a_step=tokens)

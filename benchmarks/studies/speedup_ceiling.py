@@ -21,11 +21,17 @@ medians of forwards after a prefill of the first prompt, timed round-robin) and 
 every target measured there against the reference, by default llama.cpp (``llamacpp``): a goal of
 1.9× llama.cpp plain is out of reach on that machine for every method if no ceiling reaches it.
 
+``--over-lossless TOKENS`` bounds a lossy rule against lossless ``sd`` K = 4 that emits TOKENS a step
+(:func:`over_lossless`): even accepting every draft, a rule drafting m − 1 tokens with the pipeline's
+draft model cannot beat lossless ``sd`` by more than that block's figure.
+
     python benchmarks/bench_perf.py --limit 1 --datasets humaneval --configs llamacpp-ar \\
         openvino-int8/int4v49152-ar openvino-int4/int4v49152-ar --forward-blocks 1 2 3 5 9 17 33 65 \\
         --forward-repeats 5 --forward-costs-only --skip-bandwidth --out benchmarks/results/forward_costs_avx2.json
     python benchmarks/studies/speedup_ceiling.py benchmarks/results/forward_costs_avx2.json \\
         --out benchmarks/results/speedup_ceiling_avx2.json
+    python benchmarks/studies/speedup_ceiling.py benchmarks/results/forward_costs_avx2.json --over-lossless 4.45 \\
+        --out benchmarks/results/fsd_ceiling_avx2.json
 """
 
 from __future__ import annotations
@@ -71,11 +77,34 @@ def needed(costs: dict[int, float], reference_one_token: float, goal: float, dra
     return {m: round(goal * (c + (m - 1) * draft) / reference_one_token, 10) for m, c in sorted(costs.items())}
 
 
+def over_lossless(costs: dict[int, float], draft: float, tokens_a_step: float, k: int = 4) -> dict[int, float]:
+    """The most a lossy rule (FSD, typical, ...) drafting ``m - 1`` tokens can gain over lossless
+    speculative decoding at ``k`` that emits ``tokens_a_step`` tokens per verification, per block
+    size ``m``: the lossy rule at best accepts every draft, so a step emits ``m`` tokens for
+    ``c(m) + (m − 1) · draft``, against the lossless step's ``tokens_a_step`` for
+    ``c(k + 1) + k · draft``:
+
+        (m / (c(m) + (m − 1) · draft)) / (tokens_a_step / (c(k + 1) + k · draft))
+
+    >>> over_lossless({1: 0.1, 5: 0.2, 9: 0.3}, draft=0.05, tokens_a_step=4.0)
+    {1: 1.0, 5: 1.25, 9: 1.2857142857}
+    """
+    if k + 1 not in costs:
+        raise ValueError(f"the lossless reference verifies blocks of {k + 1} tokens; that block was not measured")
+    if not 0 < tokens_a_step <= k + 1:
+        raise ValueError(f"a step of K = {k} emits between 1 and {k + 1} tokens, got {tokens_a_step}")
+    lossless = tokens_a_step / (costs[k + 1] + k * draft)
+    return {m: round(m / (c + (m - 1) * draft) / lossless, 10) for m, c in sorted(costs.items())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", help="a bench_perf.py results file with forward_seconds")
     parser.add_argument("--reference", default="llamacpp", help="the pipeline whose one-token forward is plain decoding")
     parser.add_argument("--goal", type=float, default=1.9, help="the speed-up over the reference to test (g)")
+    parser.add_argument("--over-lossless", type=float, metavar="TOKENS",
+                        help="also the ceiling of a lossy rule over lossless sd at K = 4 that emits TOKENS a step "
+                             "(with each pipeline's draft model)")
     parser.add_argument("--out", help="write the table as JSON here")
     args = parser.parse_args()
 
@@ -104,11 +133,19 @@ def main() -> None:
     fewest = min(feasible) if feasible else None
     print(f"fewest tokens a step for {args.goal:g}x: "
           + (f"{fewest[0]:.1f} ({fewest[1]}, m = {fewest[2]}, free drafts)" if fewest else "none: no block measured can hold them"))
+    lossy = {}
+    if args.over_lossless:
+        lossy = {name: over_lossless(c, drafts[name], args.over_lossless) for name, c in costs.items()
+                 if drafts[name] and 5 in c}
+        for name, row in lossy.items():
+            print(f"{name:34s} a lossy rule accepting every draft, over sd K = 4 at {args.over_lossless:g} tokens a step: "
+                  + "  ".join(f"m={m}: {v:.2f}x" for m, v in row.items()))
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": "python benchmarks/studies/speedup_ceiling.py " + args.results
                        + (f" --reference {args.reference}" if args.reference != "llamacpp" else "")
-                       + (f" --goal {args.goal:g}" if args.goal != 1.9 else "") + f" --out {args.out}",
+                       + (f" --goal {args.goal:g}" if args.goal != 1.9 else "")
+                       + (f" --over-lossless {args.over_lossless:g}" if args.over_lossless else "") + f" --out {args.out}",
             "source": args.results, "machine": data.get("machine"), "reference": args.reference,
             "reference_one_token_seconds": ref,
             "forward_seconds": {n: {str(m): c for m, c in row.items()} for n, row in costs.items()},
@@ -118,6 +155,9 @@ def main() -> None:
             "goal": args.goal, "draft_one_token_seconds": {n: d for n, d in drafts.items() if d},
             "needed_free_drafts": {n: {str(m): v for m, v in row.items()} for n, row in need_free.items()},
             "needed_with_draft_model": {n: {str(m): v for m, v in row.items()} for n, row in need_draft.items()},
+            **({"over_lossless": {"tokens_a_step": args.over_lossless, "k": 4,
+                                  "ceiling": {n: {str(m): v for m, v in row.items()} for n, row in lossy.items()}}}
+               if lossy else {}),
         }, indent=1))
 
 

@@ -476,6 +476,8 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
             runs = {c: {r["prompt"]: r for r in rows_t if r["config"] == c and "error" not in r} for c in (config, other)}
             both = [p for p in complete if p in runs[config] and p in runs[other]]
             a, b = [runs[config][p] for p in both], [runs[other][p] for p in both]
+            if not sum(x["new_tokens"] for x in b):  # no prompt in common, or the anchor made nothing
+                return [float("nan"), float("nan")]
             r = rate_ratio([x["new_tokens"] for x in a], [x["seconds"] for x in a],
                            [x["new_tokens"] for x in b], [x["seconds"] for x in b])
             return [r.low, r.high]

@@ -118,3 +118,19 @@ def test_bench_perf_summary_gives_each_anchor_ratio_its_interval(bench_perf):
     assert ours["ci95_x_llamacpp_anchor"][1] < 1.0  # half the anchor's rate: far below 1
     assert "ci95_x_llamacpp_anchor" not in summary["llamacpp-anchor@T=0.0"]
     assert "ci95_x_ovgenai-int8-sd" not in summary["ovgenai-int8-sd@T=0.0"]
+
+
+def test_bench_perf_summary_survives_an_anchor_that_failed_everywhere(bench_perf):
+    """GenAI raising on every prompt leaves its ratio and interval undefined (NaN), not a crash at the
+    end of a long run."""
+    rows = []
+    for i in range(4):
+        p = f"HumanEval/{i}"
+        rows.append(dict(config="ovgenai-int8-sd", prompt=p, dataset="humaneval", temperature=0.7, error="raised"))
+        rows.append(dict(config="openvino-int8/int8-sd", prompt=p, dataset="humaneval", temperature=0.7,
+                         new_tokens=100, seconds=10.0))
+    summary = bench_perf.summarize(rows, ["ovgenai-int8-sd", "openvino-int8/int8-sd"], [0.7])
+    ours = summary["openvino-int8/int8-sd@T=0.7"]
+    assert ours["tokens_per_second"] == pytest.approx(10.0)
+    assert all(np.isnan(v) for v in ours["ci95_x_ovgenai-int8-sd"])
+    assert summary["ovgenai-int8-sd@T=0.7"]["errors"] == 4

@@ -68,3 +68,14 @@ def test_main_reads_a_replay_and_its_confidences(study, tmp_path, monkeypatch):
     study.main()
     s = json.loads(out.read_text())["summary"]["humaneval"]
     assert s["best_fixed_k"] == 3 and s["rate_stopping_gain"] == [pytest.approx(0.0), pytest.approx(0.0)]
+
+
+def test_a_replay_at_temperature_is_refused(study, tmp_path, monkeypatch):
+    """The confidences are of greedy outputs: an ERSD replay at T = 0.7 is refused by name."""
+    replay = {"meta": {"args": {"max_k": 3, "temperature": 0.7}}, "outputs": {}}
+    (tmp_path / "r.json").write_text(json.dumps(replay))
+    (tmp_path / "c.json").write_text(json.dumps({"outputs": {}}))
+    monkeypatch.setattr(sys, "argv", ["x", "--replay", str(tmp_path / "r.json"), "--confidences", str(tmp_path / "c.json"),
+                                      "--out", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit, match="T > 0.*T = 0 replays"):
+        study.main()

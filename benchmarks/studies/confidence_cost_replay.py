@@ -39,7 +39,7 @@ from quickdraft.adaptive.replay import clairvoyant, walk
 from quickdraft.backends.costs import StepCost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_adaptive import perf_step_cost  # noqa: E402  (the replays' cost model from a bench_perf result)
+from replay_adaptive import greedy_replay_step_cost  # noqa: E402  (the replays' cost models)
 
 #: calibration bins (tenths of confidence) and the prior's weight in tokens
 BINS = 10
@@ -170,13 +170,8 @@ def main() -> None:
     args = ap.parse_args()
     replay = json.loads(Path(args.replay).read_text())
     conf = json.loads(Path(args.confidences).read_text())
+    cost, source = greedy_replay_step_cost(replay, args.replay, args.costs_from, args.costs_config)
     max_k = replay["meta"]["args"]["max_k"]
-    if args.costs_from:
-        cost, source = perf_step_cost(json.loads(Path(args.costs_from).read_text()), args.costs_config, 0.0, max_k)
-    else:
-        sc = replay["meta"]["step_cost"]
-        cost = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"], overhead=sc["overhead_per_step"])
-        source = {"from": args.replay}
     summary = {}
     for ds, outs in replay["outputs"].items():
         by_id = {o["prompt_id"]: o for o in conf["outputs"][ds]}

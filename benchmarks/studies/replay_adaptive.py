@@ -249,6 +249,19 @@ def perf_step_cost(perf: dict, config: str, temperature: float, max_k: int) -> t
     return cost, source
 
 
+def greedy_replay_step_cost(replay: dict, replay_path: str, costs_from: str | None, costs_config: str) -> tuple[StepCost, dict]:
+    """The step cost a study over a T = 0 replay walks with: ``costs_from``'s (a ``bench_perf.py``
+    result, :func:`perf_step_cost` of ``costs_config``) where given, else the replay's own; a replay at
+    T > 0 is refused (its outputs are not greedy)."""
+    if replay["meta"]["args"].get("temperature", 0.0) != 0:
+        raise SystemExit(f"{replay_path} is a replay at T > 0; this study reads T = 0 replays (greedy outputs)")
+    if costs_from:
+        return perf_step_cost(json.loads(Path(costs_from).read_text()), costs_config, 0.0, replay["meta"]["args"]["max_k"])
+    sc = replay["meta"]["step_cost"]
+    return (StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"], overhead=sc["overhead_per_step"]),
+            {"from": replay_path})
+
+
 def rescore(args) -> None:
     """Re-score a replay under another backend's forward costs: every policy's draft lengths are
     those of the replay (a policy's stops do not depend on time), the clairvoyant optimum and the

@@ -45,7 +45,7 @@ from quickdraft.evaluation.datasets import load_humaneval, load_mtbench
 from quickdraft.pipeline import Pipeline
 
 from openvino_compression import _lscpu  # the studies' CPU record (this script's folder is on sys.path)
-from replay_adaptive import perf_step_cost
+from replay_adaptive import greedy_replay_step_cost
 
 TAUS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 P_MINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
@@ -163,15 +163,8 @@ def main() -> None:
     t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
     replay = json.loads(Path(args.replay).read_text())
-    if replay["meta"]["args"].get("temperature", 0.0) != 0:
-        raise SystemExit("the target gate study reads T = 0 replays (greedy outputs)")
+    cost, source = greedy_replay_step_cost(replay, args.replay, args.costs_from, args.costs_config)
     max_k = replay["meta"]["args"]["max_k"]
-    if args.costs_from:
-        cost, source = perf_step_cost(json.loads(Path(args.costs_from).read_text()), args.costs_config, 0.0, max_k)
-    else:
-        sc = replay["meta"]["step_cost"]
-        cost = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"], overhead=sc["overhead_per_step"])
-        source = {"from": args.replay}
     models = {"target": Pipeline.from_specs("target", None, dtype="float32"),
               "draft": Pipeline.from_specs("draft", None, dtype="float32")}
     loaders = {"humaneval": load_humaneval, "mtbench": load_mtbench}

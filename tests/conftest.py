@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +12,16 @@ from scipy import stats
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 TINY_VOCAB = 64
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(relative: str):
+    """A benchmark program or study (``benchmarks/...``, not a package) loaded as a module by its path."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_lm(seed: int, vocab: int = TINY_VOCAB, layers: int = 2, max_positions: int = 512) -> Qwen2ForCausalLM:

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import small_gguf
+from conftest import load_script, small_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data" / "llamacpp_sse"
 
 
@@ -33,10 +32,7 @@ DATA = Path(__file__).resolve().parent / "data" / "llamacpp_sse"
 def bench_serve():
     if importlib.util.find_spec("httpx2") is None:  # the benchmark's HTTP client: httpx2, else httpx
         pytest.importorskip("httpx")
-    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "benchmarks" / "bench_serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_serve.py")
 
 
 class Replay:

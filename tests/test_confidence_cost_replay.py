@@ -4,25 +4,19 @@ online, priced against the step costs) walked over stored outputs."""
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from quickdraft.backends.costs import StepCost
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
-    spec = importlib.util.spec_from_file_location("confidence_cost_replay", ROOT / "benchmarks" / "studies" / "confidence_cost_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/studies/confidence_cost_replay.py")
 
 
 def test_doctests(study):

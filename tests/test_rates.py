@@ -4,8 +4,6 @@ paired bootstrap interval (coverage on simulated runs, and a real difference it 
 from __future__ import annotations
 
 import doctest
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +12,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.evaluation import rates
 from quickdraft.evaluation.rates import rate_ratio
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 def test_doctests():
@@ -87,13 +85,7 @@ def test_bad_confidence_is_named():
 
 @pytest.fixture(scope="module")
 def bench_perf():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_perf", ROOT / "benchmarks" / "bench_perf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_perf.py")
 
 
 def test_bench_perf_summary_gives_each_anchor_ratio_its_interval(bench_perf):

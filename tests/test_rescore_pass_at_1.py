@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -11,15 +10,14 @@ import pytest
 
 from quickdraft.errors import QuickdraftError
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "benchmarks" / "results" / "bench" / "fsd_humaneval"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("rescore_pass_at_1", ROOT / "benchmarks" / "rescore_pass_at_1.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/rescore_pass_at_1.py")
 
 
 @pytest.fixture

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("speedup_ceiling", ROOT / "benchmarks" / "studies" / "speedup_ceiling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/studies/speedup_ceiling.py")
 
 
 def test_doctests(study):

@@ -91,7 +91,7 @@ def over_lossless(costs: dict[int, float], draft: float, tokens_a_step: float, k
     """
     if k + 1 not in costs:
         raise ValueError(f"the lossless reference verifies blocks of {k + 1} tokens; that block was not measured")
-    if not 0 < tokens_a_step <= k + 1:
+    if not 1 <= tokens_a_step <= k + 1:
         raise ValueError(f"a step of K = {k} emits between 1 and {k + 1} tokens, got {tokens_a_step}")
     lossless = tokens_a_step / (costs[k + 1] + k * draft)
     return {m: round(m / (c + (m - 1) * draft) / lossless, 10) for m, c in sorted(costs.items())}

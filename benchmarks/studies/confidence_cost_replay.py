@@ -40,6 +40,7 @@ from quickdraft.backends.costs import StepCost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_adaptive import greedy_replay_step_cost  # noqa: E402  (the replays' cost models)
+from target_gate_replay import fixed, rate, tokens_per_s  # noqa: E402  (fixed K and rates, as joint confidence is scored)
 
 #: calibration bins (tenths of confidence) and the prior's weight in tokens
 BINS = 10
@@ -134,28 +135,22 @@ def rate_stopping(output: dict, cost: StepCost, max_k: int, end: str):
     return walk(output["new_tokens"], match, choose, cost, update)
 
 
-def tokens_per_s(results) -> float:
-    results = list(results)
-    return sum(r.new_tokens for r in results) / sum(r.seconds for r in results)
-
-
 def evaluate(outputs: list[dict], cost: StepCost, max_k: int) -> dict:
     """Best fixed K, rate stopping (both ends), the clairvoyant bound, and what each drafts."""
-    fixed = {k: tokens_per_s(walk(o["new_tokens"], o["match"], lambda j, k=k: k, cost) for o in outputs)
-             for k in range(1, max_k + 1)}
-    best = max(fixed, key=fixed.get)
+    rates = {k: tokens_per_s(outputs, fixed(k, cost)) for k in range(1, max_k + 1)}
+    best = max(rates, key=rates.get)
     runs = {end: [rate_stopping(o, cost, max_k, end) for o in outputs] for end in ("high", "low")}
-    bound = tokens_per_s(clairvoyant(o["new_tokens"], o["match"], cost, max_k) for o in outputs)
+    bound = tokens_per_s(outputs, lambda o: clairvoyant(o["new_tokens"], o["match"], cost, max_k))
     tokens = sum(o["new_tokens"] for o in outputs)
-    gain = {end: tokens_per_s(r) / fixed[best] - 1 for end, r in runs.items()}
-    return {"best_fixed_k": best, "best_fixed_tokens_per_s": fixed[best],
-            "fixed_tokens_per_s": {str(k): v for k, v in fixed.items()},
+    gain = {end: rate(r) / rates[best] - 1 for end, r in runs.items()}
+    return {"best_fixed_k": best, "best_fixed_tokens_per_s": rates[best],
+            "fixed_tokens_per_s": {str(k): v for k, v in rates.items()},
             "rate_stopping_gain": [gain["high"], gain["low"]],
             "rate_stopping_target_calls_per_token": [sum(r.steps for r in runs[e]) / tokens for e in ("high", "low")],
             "rate_stopping_discarded_per_token": [sum(r.drafted - r.accepted for r in runs[e]) / tokens for e in ("high", "low")],
-            "clairvoyant_gain": bound / fixed[best] - 1,
-            "share_of_clairvoyant": ([g / (bound / fixed[best] - 1) for g in (gain["high"], gain["low"])]
-                                     if bound > fixed[best] else None)}
+            "clairvoyant_gain": bound / rates[best] - 1,
+            "share_of_clairvoyant": ([g / (bound / rates[best] - 1) for g in (gain["high"], gain["low"])]
+                                     if bound > rates[best] else None)}
 
 
 def main() -> None:

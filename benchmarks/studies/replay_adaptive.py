@@ -249,6 +249,12 @@ def perf_step_cost(perf: dict, config: str, temperature: float, max_k: int) -> t
     return cost, source
 
 
+def stored_step_cost(meta: dict) -> StepCost:
+    """The cost model a replay result stored (``meta["step_cost"]``: target times by tokens, draft, overhead)."""
+    sc = meta["step_cost"]
+    return StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"], overhead=sc["overhead_per_step"])
+
+
 def greedy_replay_step_cost(replay: dict, replay_path: str, costs_from: str | None, costs_config: str) -> tuple[StepCost, dict]:
     """The step cost a study over a T = 0 replay walks with: ``costs_from``'s (a ``bench_perf.py``
     result, :func:`perf_step_cost` of ``costs_config``) where given, else the replay's own; a replay at
@@ -257,9 +263,7 @@ def greedy_replay_step_cost(replay: dict, replay_path: str, costs_from: str | No
         raise SystemExit(f"{replay_path} is a replay at T > 0; this study reads T = 0 replays (greedy outputs)")
     if costs_from:
         return perf_step_cost(json.loads(Path(costs_from).read_text()), costs_config, 0.0, replay["meta"]["args"]["max_k"])
-    sc = replay["meta"]["step_cost"]
-    return (StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"], overhead=sc["overhead_per_step"]),
-            {"from": replay_path})
+    return stored_step_cost(replay["meta"]), {"from": replay_path}
 
 
 def rescore(args) -> None:
@@ -433,8 +437,7 @@ def main() -> None:
     # one cost model for every replay: forwards after a real prompt
     ctx = prompts["humaneval"][0][1]
     if source_result is not None:
-        sc = source_result["meta"]["step_cost"]
-        cost = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"], overhead=sc["overhead_per_step"])
+        cost = stored_step_cost(source_result["meta"])
     elif args.step_cost_from:  # forward times do not depend on the temperature or the rule
         sc = json.loads(Path(args.step_cost_from).read_text())["meta"]["step_cost"]
         cost = StepCost(target=tuple(sc["target_by_tokens"]), draft=sc["draft"])

@@ -61,10 +61,15 @@ def confidences(pipe: Pipeline, prompt: list[int], output: list[int]) -> list[fl
     return torch.softmax(logits.float(), dim=-1).max(dim=-1).values.tolist()
 
 
+def rate(results) -> float:
+    """Modelled tokens/s of replayed generations (``ReplayResult`` s) taken together."""
+    results = list(results)
+    return sum(r.new_tokens for r in results) / sum(r.seconds for r in results)
+
+
 def tokens_per_s(outputs: list[dict], run) -> float:
     """Modelled tokens/s of ``run(o) -> ReplayResult`` over ``outputs``."""
-    results = [run(o) for o in outputs]
-    return sum(r.new_tokens for r in results) / sum(r.seconds for r in results)
+    return rate(run(o) for o in outputs)
 
 
 def fixed(k: int, cost: StepCost):

@@ -11,6 +11,11 @@ same way; otherwise that row is skipped with the reason printed and recorded.
 sampling settings: two batches in the server, which take turns), with the time to first token per
 temperature: whether one setting's requests wait for the other's.
 
+``--seeded T`` adds rows at temperature ``T`` where request ``i`` carries ``"seed": i``: ``sd`` (a
+seeded request keeps a batch of its own, so that its text is the one it gets alone) and ``ersd``
+(draws keyed by seed, row and position: seeded requests share one batch), beside ``ersd`` without
+seeds (the shared batch unconstrained).
+
 Per row: requests, completion tokens, wall time, throughput (completion tokens / wall time),
 time to first token and inter-token latency (``(t_last - t_first) / (tokens - 1)`` per request,
 from the arrival times of the streamed chunks; a speculative step streams several tokens in one
@@ -76,6 +81,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mixed-temperature", type=float, default=None, metavar="T",
                    help="also a row of sd requests alternating between temperature 0 and T (two settings, two "
                         "batches in the server), with time to first token per temperature")
+    p.add_argument("--seeded", type=float, default=None, metavar="T",
+                   help="also rows of seeded requests at temperature T (sd and ersd) and of unseeded ersd ones")
     p.add_argument("--skip-uniform", action="store_true", help="only the mixed row (with --mixed-temperature)")
     p.add_argument("--skip-llamacpp", action="store_true", help="no llama-cpp-python server row")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (default: /v1/completions)")
@@ -261,9 +268,11 @@ def summary(values: list[float]) -> dict:
 
 
 def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
-            speculative: dict | None, chat: bool, timeout: float, temperatures: tuple[float, ...] = (0.0,)) -> dict:
+            speculative: dict | None, chat: bool, timeout: float, temperatures: tuple[float, ...] = (0.0,),
+            seeded: bool = False) -> dict:
     """``requests`` streamed requests from ``concurrency`` client threads; request ``i`` samples at
-    ``temperatures[i % len(temperatures)]`` (several: time to first token also per temperature)."""
+    ``temperatures[i % len(temperatures)]`` (several: time to first token also per temperature), with
+    ``"seed": i`` where ``seeded``."""
     requests = max(requests, concurrency)
     todo = list(range(requests))
     lock = threading.Lock()
@@ -285,6 +294,8 @@ def run_row(url: str, model: str, prompts: list[str], concurrency: int, requests
                 body["prompt"] = prompt
             if speculative is not None:
                 body["speculative"] = speculative
+            if seeded:
+                body["seed"] = i
             res = {**one_request(url, body, chat), "temperature": temperature}
             with lock:
                 results.append(res)
@@ -395,9 +406,15 @@ def main() -> None:
             if args.mixed_temperature is not None:
                 rows.append((f"quickdraft-sd-mixed-t{args.mixed_temperature:g}",
                              {"method": "sd", "k": args.k, "policy": args.policies[0]}, (0.0, args.mixed_temperature)))
-            for name, spec, temperatures in rows:
+            rows = [(*row, False) for row in rows]
+            if args.seeded is not None:
+                t = args.seeded
+                rows += [(f"quickdraft-{m}-t{t:g}{'-seeded' if seeded else ''}",
+                          {"method": m, "k": args.k, "policy": args.policies[0]}, (t,), seeded)
+                         for m, seeded in (("sd", True), ("ersd", True), ("ersd", False))]
+            for name, spec, temperatures, seeded in rows:
                 row = {"server": name, **run_row(server.url, server.model, prompts, c, args.requests, args.max_tokens,
-                                                 spec, args.chat, args.timeout, temperatures)}
+                                                 spec, args.chat, args.timeout, temperatures, seeded)}
                 record["rows"].append(row)
                 save(out_path, record)
                 print(json.dumps({k: row.get(k) for k in ("server", "concurrency", "throughput_tokens_per_second",

@@ -122,6 +122,17 @@ def test_mixed_row_alternates_temperatures_and_reports_each(bench_serve):
     assert uniform["failed"] == 0 and uniform["ttft_seconds_by_temperature"] is None
 
 
+def test_seeded_row_gives_each_request_its_own_seed(bench_serve):
+    server = Replay((DATA / "completions.txt").read_bytes())
+    try:
+        row = bench_serve.run_row(server.url, "m", ["a"], 2, 4, 16, {"method": "ersd"}, False, 60.0, (0.7,), seeded=True)
+        plain = bench_serve.run_row(server.url, "m", ["a"], 1, 1, 16, {"method": "ersd"}, False, 60.0, (0.7,))
+    finally:
+        server.close()
+    assert row["failed"] == 0 and sorted(r["seed"] for r in server.requests[:4]) == [0, 1, 2, 3]
+    assert plain["failed"] == 0 and "seed" not in server.requests[4]
+
+
 def test_cut_stream_is_a_failed_request(bench_serve):
     """A stream cut by another request is recorded as failed, not raised in (and lost with) the client
     thread, nor counted as a one-token completion."""

@@ -317,3 +317,22 @@ def test_race_trees_need_the_race_rule_and_keys(tiny_target, tiny_draft):
     with pytest.raises(QuickdraftError, match="race_keys"):
         build_tree(torch.zeros(2, dtype=torch.long), logits, lambda *a: None, TreeConfig(depth=2, scheme="race"),
                    SamplingParams(temperature=1.0))
+
+
+def test_race_tree_rows_keyed_by_their_own_seed_decode_as_alone(soft_target):
+    """On race trees too, a row added with seed s and row id i is row i of the batch decoded alone
+    with seed s, beside rows of other seeds (the tree's keys take each row's seed)."""
+    from quickdraft.decoding.engine import Decoder
+    from quickdraft.decoding.tree_decoding import TreeDrafter
+
+    target, draft = ModelRunner(soft_target), ModelRunner(perturbed_copy(soft_target, scale=0.5, seed=3))
+    params, config = SamplingParams(temperature=0.8), TreeConfig(depth=3, topk=2, budget=8, scheme="race")
+    alone = {s: generate_tree(target, draft, [PROMPTS[0], PROMPTS[1]], config=config,
+                              rule=ExponentialRace(seed=s, candidates=2), sampling=params, max_new_tokens=16).sequences
+             for s in (4, 9)}
+    decoder = Decoder(target, [], method="tree", drafter=TreeDrafter(draft, int(soft_target.config.vocab_size), config),
+                      rule=ExponentialRace(seed=0, candidates=2), sampling=params)
+    decoder.add_rows([PROMPTS[1], PROMPTS[0]], [16, 16], seeds=[4, 9], row_ids=[1, 0])
+    while decoder.active.any():
+        decoder.step()
+    assert decoder.new_ids == [alone[4][1], alone[9][0]]

@@ -20,6 +20,7 @@ from quickdraft.verification.race import (
     race_candidates,
     race_keys,
     race_sample,
+    seed_words,
 )
 from quickdraft.verification.rules import ExponentialRace, VerifyContext
 from quickdraft.verification.sampling import SamplingParams, logits_to_probs
@@ -378,3 +379,20 @@ def test_branches_are_drafter_invariant_and_more_candidates_accept_more():
     target_probs = torch.stack([target.dist(prev)] + [target.dist(cand[:, i, 0]) for i in range(k)], 1)
     via_chain = verify_chain(cand[:, :, 0], draft_probs, target_probs, chain, ctx=ctx)
     assert torch.equal(via_chain.output_ids, out1) and torch.equal(via_chain.num_accepted, n_acc1)
+
+
+def test_race_keys_take_one_seed_per_row():
+    """A tensor of seeds (their 64-bit patterns) keys each row as the scalar seed would, including
+    seeds outside int64 (reduced modulo 2**64) and negative ones; bad seeds are named."""
+    seeds = [0, 7, 2 ** 64 - 1, -5, 2 ** 70 + 3]
+    rows = torch.tensor([0, 3, 1, 2, 0])
+    positions = torch.tensor([[4, 5, 6]] * 5)
+    keyed = race_keys(seed_words(seeds).unsqueeze(1), rows.unsqueeze(1), positions)
+    for r, s in enumerate(seeds):
+        assert torch.equal(keyed[r], race_keys(s, rows[r], positions[r]))
+    assert torch.equal(race_keys(seed_words([-5]), rows[:1], positions[0, :1]), race_keys(2 ** 64 - 5, rows[:1], positions[0, :1]))
+    assert len(set(keyed[:, 0].tolist())) == 5  # different seeds, different keys
+    with pytest.raises(QuickdraftError, match="race seed must be an integer"):
+        seed_words([1, "2"])
+    with pytest.raises(QuickdraftError, match="int64"):
+        race_keys(torch.tensor([1.0]), rows[:1], positions[0, :1])

@@ -19,7 +19,7 @@ import scipy.stats
 import torch
 
 from quickdraft.decoding.drafters import ModelDrafter, NGramDrafter
-from quickdraft.decoding.engine import generate
+from quickdraft.decoding.engine import Decoder, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.methods import build_method
 from quickdraft.decoding.policies import Constant, Heuristic
@@ -260,3 +260,51 @@ def test_ersd_at_temperature_0_7_samples():
     obs = np.append(first[big], first[~big].sum())
     exp = np.append(p_first[big], p_first[~big].sum()) * n_rows
     assert scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-4
+
+
+def test_ersd_rows_keyed_by_their_own_seed_decode_as_alone_in_any_batch(soft_target):
+    """A row added with seed s and row id i draws what row i of the batch decoded alone with seed s
+    draws: its text is the same whatever rows join and leave beside it, however the batch is
+    seeded, and whatever draft length the batch runs. Without its seed (negative control) the same
+    row in the same batch is another sample."""
+    target, draft = ModelRunner(soft_target), perturbed_copy(soft_target, 0.3, 1)
+    params = SamplingParams(temperature=0.8)
+    alone = {s: generate(target, [PROMPTS[i]] * 2, method="sd", drafter=_drafter(draft), rule=ExponentialRace(seed=s),
+                         sampling=params, max_new_tokens=20).sequences
+             for i, s in ((0, 5), (2, 2 ** 64 - 3))}
+
+    def shared(keyed: bool, k: int) -> list[list[int]]:
+        decoder = Decoder(target, [], method="sd", drafter=_drafter(draft), rule=ExponentialRace(seed=99),
+                          policy=Constant(k), sampling=params)
+        decoder.add_rows([PROMPTS[1]], [30])  # an unkeyed row, there from the start
+        decoder.step()
+        extra = dict(seeds=[5], row_ids=[1]) if keyed else {}
+        decoder.add_rows([PROMPTS[0]], [20], **extra)
+        decoder.step()
+        extra = dict(seeds=[2 ** 64 - 3] * 2, row_ids=[0, 1]) if keyed else {}
+        decoder.add_rows([PROMPTS[2]] * 2, [20, 20], **extra)
+        decoder.step()
+        decoder.remove_rows([0])  # the first row leaves mid-way
+        while decoder.active.any():
+            decoder.step()
+        return decoder.new_ids
+
+    for k in (2, 5):
+        rows = shared(True, k)
+        assert rows == [alone[5][1]] + alone[2 ** 64 - 3], k
+    assert shared(False, 3) != [alone[5][1]] + alone[2 ** 64 - 3]
+
+
+def test_ersd_row_keys_refuse_bad_input(soft_target, tiny_draft):
+    target = ModelRunner(soft_target)
+    decoder = Decoder(target, [], method="sd", drafter=_drafter(tiny_draft), rule=Lossless())
+    with pytest.raises(QuickdraftError, match="ersd rule only"):
+        decoder.add_rows([PROMPTS[0]], [4], seeds=[1])
+    decoder = Decoder(target, [], method="sd", drafter=_drafter(tiny_draft), rule=ExponentialRace(seed=0))
+    with pytest.raises(QuickdraftError, match="1 prompts but 2 seeds"):
+        decoder.add_rows([PROMPTS[0]], [4], seeds=[1, 2])
+    with pytest.raises(QuickdraftError, match="race seed must be an integer"):
+        decoder.add_rows([PROMPTS[0]], [4], seeds=[1.5])
+    with pytest.raises(QuickdraftError, match="row_ids must be integers"):
+        decoder.add_rows([PROMPTS[0]], [4], row_ids=[-1])
+    assert decoder.batch_size == 0 and decoder.row_seeds is None  # nothing was added

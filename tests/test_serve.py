@@ -326,6 +326,59 @@ def test_stop_strings_n_and_seed(server, pipe):
     assert c.choices[0].text == _reference(pipe, ids, 16, k=3, temperature=0.9, seed=11, top_p=0.8)[0]
 
 
+def _seeded_clients(srv, method: str, seeds: list[int | None], max_tokens: int = 16) -> tuple[dict, dict]:
+    """Requests of ``method`` at T = 0.9, one client per seed (``None``: no seed; seeded ones with
+    n = 1 or 2), started together; returns their texts and the peak batches and rows seen."""
+    answers, peak, stop_watch = {}, {"batches": 0, "rows": 0}, threading.Event()
+    start = threading.Barrier(len(seeds))
+
+    def watch():
+        while not stop_watch.is_set():
+            stats = srv.scheduler.stats()
+            peak["batches"] = max(peak["batches"], stats["batches"])
+            peak["rows"] = max(peak["rows"], stats["running_rows"])
+            time.sleep(0.002)
+
+    def client(c: int):
+        cl = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        start.wait()
+        kw = {"seed": seeds[c], "n": 1 + c % 2} if seeds[c] is not None else {}
+        r = cl.completions.create(model=MODEL, prompt=PROMPTS[c % len(PROMPTS)], max_tokens=max_tokens,
+                                  temperature=0.9, extra_body={"speculative": {"method": method, "k": 3}}, **kw)
+        answers[c] = [ch.text for ch in r.choices]
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(len(seeds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stop_watch.set()
+    assert not any(t.is_alive() for t in threads)
+    return answers, peak
+
+
+def test_seeded_ersd_requests_share_one_batch_and_decode_as_alone(slow_pipe, one_thread):
+    """Under ERSD, whose draws are keyed by (seed, row, position), seeded requests at T > 0 and an
+    unseeded one run in one shared batch, and each seeded text is that of the request served alone.
+    Under ``sd`` (negative control: the check sees concurrency) each seeded request keeps a batch of
+    its own, with the same guarantee."""
+    seeds = [101, 102, 103, 104, 105, 106, None]
+    srv = Server(slow_pipe, ServerConfig(model_name=MODEL, max_rows=16))
+    try:
+        for method, batches in (("ersd", 1), ("sd", len(seeds))):
+            answers, peak = _seeded_clients(srv, method, seeds)
+            assert peak["batches"] == batches and peak["rows"] > 1, (method, peak)
+            for c, seed in enumerate(seeds):
+                if seed is not None:
+                    ids = _ids(slow_pipe, PROMPTS[c % len(PROMPTS)])
+                    assert answers[c] == _reference(slow_pipe, ids, 16, method=method, k=3, temperature=0.9, seed=seed,
+                                                    n=1 + c % 2), (method, c)
+    finally:
+        srv.stop()
+
+
 SETTINGS = [
     {"method": "ar"},
     {"method": "sd", "k": 2},

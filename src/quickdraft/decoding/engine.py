@@ -49,7 +49,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.metrics import GenerationMetrics
 from quickdraft.decoding.policies import Constant, Policy
 from quickdraft.decoding.proposals import ChainProposer, Proposer, Walk
-from quickdraft.verification.rules import Contrastive, Greedy, Lossless, Rule, VerifyContext
+from quickdraft.verification.race import seed_words
+from quickdraft.verification.rules import Contrastive, ExponentialRace, Greedy, Lossless, Rule, VerifyContext
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams
 
@@ -371,6 +372,8 @@ class Decoder:
         self.max_new_tokens = [int(max_new_tokens)] * b
         self.row_ids = torch.arange(b, device=device)
         self._next_row_id = b
+        #: per-row race seeds (int64 ``[B]``) once a row was added with a seed of its own (:meth:`add_rows`)
+        self.row_seeds: torch.Tensor | None = None
         self.draft_forwards = 0
 
         # -- prefill: the target reads each prompt and gives its first token, then the draft side ---
@@ -406,9 +409,16 @@ class Decoder:
                 f"+ draft exceeds {whose} maximum of {limit} tokens"
             )
 
-    def add_rows(self, prompts: list[list[int]], max_new_tokens: list[int]) -> None:
+    def add_rows(self, prompts: list[list[int]], max_new_tokens: list[int], *, seeds: list[int] | None = None,
+                 row_ids: list[int] | None = None) -> None:
         """Append rows for ``prompts`` (each with its own ``max_new_tokens``) and prefill them; they
-        take part from the next :meth:`step`. On an error the batch is left as it was."""
+        take part from the next :meth:`step`. On an error the batch is left as it was.
+
+        ``seeds`` and ``row_ids`` (ERSD only, whose draws are keyed by (seed, row id, position)):
+        each new row's race seed and row id (defaults: the rule's seed, a fresh id). A row added with
+        seed ``s`` and id ``i`` draws what row ``i`` of a batch decoded alone with seed ``s`` draws,
+        so its text does not depend on the rows beside it, the draft length or the drafter.
+        """
         if not prompts:
             return
         check_prompts(prompts, self.vocab)
@@ -416,6 +426,17 @@ class Decoder:
             raise QuickdraftError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
         for n in max_new_tokens:
             check_max_new_tokens(n)
+        for name, values in (("seeds", seeds), ("row_ids", row_ids)):
+            if values is None:
+                continue
+            if not isinstance(self.rule, ExponentialRace):
+                raise QuickdraftError(f"{name} key the draws of rows under the ersd rule only, not {self.rule.name!r}")
+            if len(values) != len(prompts):
+                raise QuickdraftError(f"{len(prompts)} prompts but {len(values)} {name}")
+        if row_ids is not None and any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 1 << 63
+                                       for i in row_ids):
+            raise QuickdraftError(f"row_ids must be integers in [0, 2**63), got {row_ids!r}")
+        new_seeds = seed_words(seeds) if seeds is not None else None  # checks them
         self._check_context(prompts, max_new_tokens)
         first, n = self.batch_size, len(prompts)
         device = self.target.device
@@ -426,8 +447,15 @@ class Decoder:
         self.active = torch.cat([self.active, torch.ones(n, dtype=torch.bool, device=device)])
         self.finish += ["length"] * n
         self.max_new_tokens += [int(m) for m in max_new_tokens]
-        self.row_ids = torch.cat([self.row_ids, torch.arange(self._next_row_id, self._next_row_id + n, device=device)])
+        ids = (torch.tensor(row_ids, dtype=torch.long, device=device) if row_ids is not None
+               else torch.arange(self._next_row_id, self._next_row_id + n, device=device))
+        self.row_ids = torch.cat([self.row_ids, ids])
         self._next_row_id += n
+        if new_seeds is not None or self.row_seeds is not None:
+            default = seed_words([self.rule.seed]).to(device)
+            before = self.row_seeds if self.row_seeds is not None else default.expand(first)
+            added = new_seeds.to(device) if new_seeds is not None else default.expand(n)
+            self.row_seeds = torch.cat([before, added])
         grown = []
         try:
             for runner in runners:
@@ -461,7 +489,7 @@ class Decoder:
         active = self.active[first:].to(gen_device)
         ctx = VerifyContext(generator=self.generator,
                             positions=torch.tensor([len(s) for s in prompts], dtype=torch.long, device=gen_device),
-                            extra={"row_ids": self.row_ids[first:].to(gen_device)})
+                            extra=self._row_keys(slice(first, None), gen_device))
         plain = ChainProposer(None, Constant(1), self.rule, self.sampling, self.vocab)
         walk = plain.propose(prompts, active, 0, ctx).verify(out.logits[first:].to(gen_device), ctx, active)
         for row, token in zip(rows, walk.output_ids[:, 0].tolist()):
@@ -479,6 +507,16 @@ class Decoder:
         index = torch.tensor(keep, dtype=torch.long, device=self.target.device)
         self.active = self.active.index_select(0, index)
         self.row_ids = self.row_ids.index_select(0, index)
+        if self.row_seeds is not None:
+            self.row_seeds = self.row_seeds.index_select(0, index)
+
+    def _row_keys(self, rows: slice, device: torch.device) -> dict:
+        """The verify context's ``extra`` for ``rows``: their ids and, where rows were added with
+        seeds of their own, their race seeds."""
+        extra = {"row_ids": self.row_ids[rows].to(device)}
+        if self.row_seeds is not None:
+            extra["row_seeds"] = self.row_seeds[rows].to(device)
+        return extra
 
     def remove_rows(self, rows: list[int]) -> None:
         """Drop ``rows`` (finished or cancelled) from the batch and from both KV caches; the other
@@ -510,7 +548,7 @@ class Decoder:
         target, sequences, active = self.target, self.sequences, self.active
         b, device = self.batch_size, target.device
         seq_lens = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=device)
-        ctx = VerifyContext(generator=self.generator, positions=seq_lens.clone(), extra={"row_ids": self.row_ids})
+        ctx = VerifyContext(generator=self.generator, positions=seq_lens.clone(), extra=self._row_keys(slice(None), device))
         # 1. propose: at most what is left of the longest active row's budget after its bonus token
         live = active.tolist()
         cap = max(self.max_new_tokens[row] - len(self.new_ids[row]) for row in range(b) if live[row]) - 1

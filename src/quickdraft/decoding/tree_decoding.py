@@ -60,7 +60,7 @@ from quickdraft.verification.sampling import sample_rows
 from quickdraft.verification.multidraft_verifiers import kseq_verify, optimal_greedy_verify, rrs_verify
 from quickdraft.verification.race import race_keys as make_race_keys, race_sample
 from quickdraft.decoding.proposals import Walk
-from quickdraft.verification.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule, VerifyContext
+from quickdraft.verification.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule, VerifyContext, race_seeds
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams, argmax, logits_to_probs, raw_probs
 from quickdraft.decoding.tree import (
@@ -299,8 +299,10 @@ class TreeProposer:
         roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
         keys = None
         if self.race is not None:  # [B, D + 1] noise of the positions after depth-0 … D nodes, by row id
+            rows = ctx.extra["row_ids"].cpu()
+            seeds = race_seeds(ctx, self.race.seed, len(rows), rows.device)
             keys = make_race_keys(
-                self.race.seed, ctx.extra["row_ids"].cpu().unsqueeze(1),
+                seeds.unsqueeze(1) if isinstance(seeds, torch.Tensor) else seeds, rows.unsqueeze(1),
                 ctx.positions.cpu().unsqueeze(1) + torch.arange(config.tree_depth + 1),
             )
         tree = build_tree(

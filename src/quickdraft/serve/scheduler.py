@@ -9,7 +9,10 @@ step of the batch drafts, verifies and commits them with the others. Requests wi
 speculation or sampling settings cannot share a step (one rule, one policy and one draft length per
 step), so each setting has its own batch and the scheduler steps the batches round-robin. A
 request with a ``seed`` at temperature > 0 gets a batch of its own, so that its random draws, and
-so its text, are those of the same request served alone.
+so its text, are those of the same request served alone — except under ERSD, whose draws are keyed
+by (seed, row, position) (:func:`~quickdraft.serve.settings.keyed_draws`): there every request joins
+the shared batch with its rows keyed by its own seed (a random one where it gave none), and a seeded
+text is still that of the request served alone.
 
 A row leaves its batch when it finishes (EOS, a stop string, ``max_tokens``) or when its client
 goes away (:meth:`Scheduler.cancel`); its KV-cache rows are freed at once (a seeded request's own
@@ -26,6 +29,7 @@ at a time, and one without ``add_rows`` serves one row at a time.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -37,7 +41,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.decoding.metrics import GenerationMetrics
 from quickdraft.verification.sampling import SamplingParams
 from quickdraft.serve.metrics import ServerMetrics
-from quickdraft.serve.settings import ServeDefaults, StepKey, build_spec
+from quickdraft.serve.settings import ServeDefaults, StepKey, build_spec, keyed_draws
 
 log = logging.getLogger("quickdraft.serve")
 
@@ -95,6 +99,7 @@ class Job:
     cancelled: bool = False
     choices: list[Choice] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+    _race_seed: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.choices = [Choice(i) for i in range(len(self.prompts) * self.n)]
@@ -105,8 +110,18 @@ class Job:
 
     @property
     def key(self) -> StepKey:
-        own = self.seed is not None and not self.sampling.greedy
+        own = self.seed is not None and not self.sampling.greedy and not keyed_draws(self.settings)
         return StepKey(self.settings, self.sampling, int(self.seed) if own else 0, self.id if own else None)
+
+    @property
+    def race_seed(self) -> int:
+        """The seed that keys this request's rows in a batch under ERSD: its ``seed``, else one
+        drawn for it once."""
+        if self.seed is not None:
+            return int(self.seed)
+        if self._race_seed is None:
+            self._race_seed = secrets.randbits(63)
+        return self._race_seed
 
     @property
     def prompt_tokens(self) -> int:
@@ -358,8 +373,12 @@ class Scheduler:
             rows_before = len(batch.rows)
             batch.rows += [(job, c) for job in jobs for c in job.choices]  # the stop callback reads them
             batch.sent += [0] * len(prompts)
+            keyed = {}
+            if keyed_draws(key.settings) and not key.sampling.greedy:  # each row keyed by its request
+                keyed = dict(seeds=[job.race_seed for job in jobs for _ in range(job.rows)],
+                             row_ids=[i for job in jobs for i in range(job.rows)])
             try:
-                batch.decoder.add_rows(prompts, budgets)
+                batch.decoder.add_rows(prompts, budgets, **keyed)
             except Exception:
                 del batch.rows[rows_before:], batch.sent[rows_before:]
                 raise

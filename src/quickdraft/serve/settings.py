@@ -121,10 +121,18 @@ class ServeDefaults:
         return d
 
 
+def keyed_draws(settings: ServeDefaults) -> bool:
+    """Whether the rule of ``settings`` keys its random draws by (seed, row id, position) alone
+    (ERSD, :class:`quickdraft.verification.rules.ExponentialRace`): a row's text then depends on its own
+    seed and prompt only, so a seeded request shares its batch with any other."""
+    return settings.method == "ersd"
+
+
 @dataclass(frozen=True)
 class StepKey:
     """What the rows of one batch share: the speculation settings, the sampling parameters and,
-    for a request that must be reproducible on its own (a ``seed`` at temperature > 0), the request."""
+    for a request that must be reproducible on its own (a ``seed`` at temperature > 0 under a rule
+    whose draws are not keyed by row, :func:`keyed_draws`), the request."""
 
     settings: ServeDefaults
     sampling: SamplingParams

@@ -92,13 +92,14 @@ def mix64_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def race_keys(seed: int, row_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def race_keys(seed: int | torch.Tensor, row_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """64-bit keys of the arrival times at (seed, row, absolute position).
 
     Parameters
     ----------
     seed:
-        Any Python integer (reduced modulo 2**64).
+        Any Python integer (reduced modulo 2**64), or an int64 tensor of seeds (their 64-bit patterns,
+        :func:`seed_words`) broadcastable against ``row_ids``: one seed per row.
     row_ids:
         int64 stable ids of the sequences, broadcastable against ``positions``.
     positions:
@@ -109,12 +110,27 @@ def race_keys(seed: int, row_ids: torch.Tensor, positions: torch.Tensor) -> torc
     torch.Tensor
         int64 keys with the broadcast shape of ``row_ids`` and ``positions``.
     """
-    if not isinstance(seed, int):
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64:
+            raise QuickdraftError(f"race seeds must be an int64 tensor, got {seed.dtype}")
+        h = mix64(seed.to(positions.device) + GAMMA)  # wrapping, as the integer branch
+    elif isinstance(seed, bool) or not isinstance(seed, int):
         raise QuickdraftError(f"race seed must be an integer, got {seed!r}")
-    s = _signed(((seed & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64)
-    h = mix64(torch.full((), s, dtype=torch.int64, device=positions.device))
+    else:
+        s = _signed(((seed & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64)
+        h = mix64(torch.full((), s, dtype=torch.int64, device=positions.device))
     h = mix64(h + row_ids.long())
     return mix64(h + positions.long())
+
+
+def seed_words(seeds) -> torch.Tensor:
+    """Python integer seeds as the int64 tensor of their 64-bit patterns (each reduced modulo 2**64),
+    for :func:`race_keys`: ``race_keys(seed_words([s]), ...)`` equals ``race_keys(s, ...)``."""
+    seeds = list(seeds)
+    for s in seeds:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise QuickdraftError(f"race seed must be an integer, got {s!r}")
+    return torch.tensor([_signed(s & _MASK64) for s in seeds], dtype=torch.int64)
 
 
 def _token_steps(vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -64,7 +64,8 @@ class VerifyContext:
         (``[B, K, V]`` / ``[B, K+1, V]``); divergence-based rules use them when present.
     extra:
         Free-form extras. Keys read by the rules: ``"row_ids"`` (``[B]`` int64 stable id of each
-        sequence, for :class:`ExponentialRace`; default: the batch index) and ``"rows"`` (set by
+        sequence, for :class:`ExponentialRace`; default: the batch index), ``"row_seeds"`` (``[B]``
+        int64 race seed of each sequence, :func:`race_seeds`; default: the rule's seed) and ``"rows"`` (set by
         ``verify_chain`` when it hands a rule a subset of the batch: the subset's batch indices).
     """
 
@@ -407,25 +408,40 @@ class Typical(Rule):
 # ---------------------------------------------------------------------------------------------
 
 
-def _row_ids(ctx: VerifyContext, b: int, device: torch.device) -> torch.Tensor:
-    """Stable ids ``[b]`` of the rows a rule was handed.
-
-    ``ctx.extra["row_ids"]`` if given (indexed by ``ctx.extra["rows"]`` when verify_chain passed a
-    subset and the ids are still the full batch's), else the batch index.
-    """
+def _per_row(ctx: VerifyContext, name: str, b: int, device: torch.device) -> torch.Tensor | None:
+    """``ctx.extra[name]`` as int64 ``[b]`` for the rows a rule was handed (indexed by
+    ``ctx.extra["rows"]`` when verify_chain passed a subset and the values are still the full
+    batch's), or ``None`` where not given."""
+    values = ctx.extra.get(name)
+    if values is None:
+        return None
+    values = torch.as_tensor(values, dtype=torch.long, device=device)
     rows = ctx.extra.get("rows")
-    ids = ctx.extra.get("row_ids")
+    if values.shape[0] != b and rows is not None:
+        values = values[rows]
+    if values.shape != (b,):
+        raise QuickdraftError(f"ctx.extra[{name!r}] must be [B={b}], got shape {tuple(values.shape)}")
+    return values
+
+
+def _row_ids(ctx: VerifyContext, b: int, device: torch.device) -> torch.Tensor:
+    """Stable ids ``[b]`` of the rows a rule was handed: ``ctx.extra["row_ids"]`` if given, else the
+    batch index (of the full batch where ``ctx.extra["rows"]`` names a subset)."""
+    ids = _per_row(ctx, "row_ids", b, device)
     if ids is not None:
-        ids = torch.as_tensor(ids, dtype=torch.long, device=device)
-        if ids.shape[0] != b and rows is not None:
-            ids = ids[rows]
-    elif rows is not None:
-        ids = torch.as_tensor(rows, dtype=torch.long, device=device)
-    else:
-        ids = torch.arange(b, device=device)
-    if ids.shape != (b,):
-        raise QuickdraftError(f"ctx.extra['row_ids'] must be [B={b}], got shape {tuple(ids.shape)}")
-    return ids
+        return ids
+    rows = ctx.extra.get("rows")
+    if rows is not None:
+        return torch.as_tensor(rows, dtype=torch.long, device=device)
+    return torch.arange(b, device=device)
+
+
+def race_seeds(ctx: VerifyContext, seed: int, b: int, device: torch.device) -> int | torch.Tensor:
+    """The race seed of each row a rule was handed: ``ctx.extra["row_seeds"]`` (int64 ``[B]``, the
+    64-bit patterns of :func:`quickdraft.verification.race.seed_words`) where the caller keys rows by
+    seeds of their own, else the rule's ``seed`` for every row."""
+    seeds = _per_row(ctx, "row_seeds", b, device)
+    return seed if seeds is None else seeds
 
 
 @dataclass(frozen=True)
@@ -443,7 +459,9 @@ class ExponentialRace(Rule):
     target alone — whatever the drafter and K (drafter invariance).
 
     Needs ``ctx.positions`` (absolute position of the first draft token); row ids come from
-    ``ctx.extra["row_ids"]`` (default: the batch index). Processed distributions are raced, so at
+    ``ctx.extra["row_ids"]`` (default: the batch index), and a row keyed by a seed of its own takes it
+    from ``ctx.extra["row_seeds"]`` (:func:`race_seeds`): a row's draws, and so its text, then depend on
+    its (seed, row id) and its prompt only, whatever else shares its batch. Processed distributions are raced, so at
     temperature 0 (one-hot) ERSD is exact-match greedy decoding.
 
     Attributes
@@ -482,8 +500,11 @@ class ExponentialRace(Rule):
         offsets = torch.as_tensor(offsets, dtype=torch.long, device=device)
         if offsets.dim() == 2:
             positions = positions.unsqueeze(1)
-        row_ids = _row_ids(ctx, b, device)
-        return race_keys(self.seed, row_ids if offsets.dim() < 2 else row_ids.unsqueeze(1), positions + offsets)
+        row_ids, seeds = _row_ids(ctx, b, device), race_seeds(ctx, self.seed, b, device)
+        if offsets.dim() == 2:
+            row_ids = row_ids.unsqueeze(1)
+            seeds = seeds.unsqueeze(1) if isinstance(seeds, torch.Tensor) else seeds
+        return race_keys(seeds, row_ids, positions + offsets)
 
     def propose(self, draft_probs, ctx, offset=0):
         return race_sample(draft_probs, self.keys(ctx, draft_probs.shape[0], offset, draft_probs.device))

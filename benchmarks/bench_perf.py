@@ -451,7 +451,7 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
     ratios and acceptance. Keys ``<config>@T=<t>`` (all prompts) and ``<config>@<dataset>@T=<t>``.
     Each ratio to an anchor (``x_llamacpp_anchor``, ``x_<GenAI sd config>``) comes with
     ``ci95_x_…``: its 95% paired bootstrap interval over the prompts (:func:`quickdraft.evaluation.rates.rate_ratio`;
-    ``NaN`` with fewer than 3 prompts)."""
+    ``NaN`` with fewer than 10 prompts, :data:`quickdraft.evaluation.rates.MIN_PROMPTS`)."""
     summary = {}
     datasets = list(dict.fromkeys(r.get("dataset", "humaneval") for r in rows))
     groups = [(None, t) for t in temperatures]

@@ -34,6 +34,9 @@ def test_ratio_is_the_ratio_of_summed_rates():
     assert r.ratio == pytest.approx((110 / 20) / (110 / 25))
     assert np.isnan(r.low) and np.isnan(r.high) and r.prompts == 2  # too few prompts for an interval
     assert "2 prompts" in str(r)
+    rng = np.random.default_rng(0)
+    assert np.isnan(rate_ratio(*_simulated(rng, 9, 1.0)).low)  # under MIN_PROMPTS: none (it would undercover)
+    assert not np.isnan(rate_ratio(*_simulated(rng, 10, 1.0)).low)
 
 
 def test_interval_covers_the_true_ratio_about_as_often_as_it_says():
@@ -92,9 +95,9 @@ def test_bench_perf_summary_gives_each_anchor_ratio_its_interval(bench_perf):
     """The benchmark's summary: x_<GenAI sd> and x_llamacpp_anchor with their paired intervals, over the
     prompts both completed (a prompt one config failed on is left out of that pair)."""
     rng = np.random.default_rng(4)
-    tokens, sa, _, sb = _simulated(rng, 6, 0.9)
+    tokens, sa, _, sb = _simulated(rng, 12, 0.9)
     rows = []
-    for i in range(6):
+    for i in range(12):
         p = f"HumanEval/{i}"
         rows.append(dict(config="llamacpp-anchor", prompt=p, dataset="humaneval", temperature=0.0, new_tokens=tokens[i], seconds=sb[i] / 2))
         rows.append(dict(config="ovgenai-int8-sd", prompt=p, dataset="humaneval", temperature=0.0, new_tokens=tokens[i], seconds=sb[i]))
@@ -103,9 +106,9 @@ def test_bench_perf_summary_gives_each_anchor_ratio_its_interval(bench_perf):
     configs = ["llamacpp-anchor", "ovgenai-int8-sd", "openvino-int8/int8-sd"]
     summary = bench_perf.summarize(rows, configs, [0.0])
     ours = summary["openvino-int8/int8-sd@T=0.0"]
-    expect = rate_ratio(tokens[:5], sa[:5], tokens[:5], sb[:5])  # the 5 prompts both completed
+    expect = rate_ratio(tokens[:11], sa[:11], tokens[:11], sb[:11])  # the 11 prompts both completed
     # the point ratio stays each config's rate over its own prompts, as in every committed summary
-    assert ours["x_ovgenai-int8-sd"] == pytest.approx((tokens[:5].sum() / sa[:5].sum()) / (tokens.sum() / sb.sum()))
+    assert ours["x_ovgenai-int8-sd"] == pytest.approx((tokens[:11].sum() / sa[:11].sum()) / (tokens.sum() / sb.sum()))
     assert ours["ci95_x_ovgenai-int8-sd"] == pytest.approx([expect.low, expect.high])
     assert ours["ci95_x_llamacpp_anchor"][1] < 1.0  # half the anchor's rate: far below 1
     assert "ci95_x_llamacpp_anchor" not in summary["llamacpp-anchor@T=0.0"]
@@ -116,7 +119,7 @@ def test_bench_perf_summary_survives_an_anchor_that_failed_everywhere(bench_perf
     """GenAI raising on every prompt leaves its ratio and interval undefined (NaN), not a crash at the
     end of a long run."""
     rows = []
-    for i in range(4):
+    for i in range(12):
         p = f"HumanEval/{i}"
         rows.append(dict(config="ovgenai-int8-sd", prompt=p, dataset="humaneval", temperature=0.7, error="raised"))
         rows.append(dict(config="openvino-int8/int8-sd", prompt=p, dataset="humaneval", temperature=0.7,
@@ -125,4 +128,4 @@ def test_bench_perf_summary_survives_an_anchor_that_failed_everywhere(bench_perf
     ours = summary["openvino-int8/int8-sd@T=0.7"]
     assert ours["tokens_per_second"] == pytest.approx(10.0)
     assert all(np.isnan(v) for v in ours["ci95_x_ovgenai-int8-sd"])
-    assert summary["ovgenai-int8-sd@T=0.7"]["errors"] == 4
+    assert summary["ovgenai-int8-sd@T=0.7"]["errors"] == 12

@@ -223,3 +223,27 @@ def test_plot_adaptive_draws_fixed_k_against_the_policies(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plot_adaptive({"mtbench@T=0.0": {"heuristic": {"tokens_per_s": 3.0}}}, tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_speedups_carry_a_paired_interval_over_the_prompts(records):
+    """× ar has the paired bootstrap interval of rate_ratio over the complete cases: a point where
+    every prompt has the same ratio, a proper interval around the point where they differ, none
+    under 10 prompts and none on the ar row itself; the table prints it beside the ratio."""
+    from quickdraft.evaluation.rates import rate_ratio
+
+    rows = {r["method"]: r for r in summarize(records)}
+    sd = rows["sd:k=4"]
+    assert sd["speedup_decode_low"] == pytest.approx(2.0) and sd["speedup_decode_high"] == pytest.approx(2.0)
+    assert rows["ar"]["speedup_e2e_low"] is None and rows["hf-ar"]["speedup_decode_low"] is None
+    assert rows["hf-ar"]["speedup_e2e_low"] == pytest.approx(4.5 / 3.5)  # anchors: e2e only
+    jitter = [1.3, 2.9, 1.7, 2.2, 1.1, 2.6, 1.9, 2.4, 1.5, 2.0]
+    noisy = [dict(r, decode_seconds=jitter[r["prompt_index"]], seconds=jitter[r["prompt_index"]] + 0.5)
+             if r["method"] == "sd:k=4" else r for r in records]
+    sd = {r["method"]: r for r in summarize(noisy)}["sd:k=4"]
+    expected = rate_ratio([20] * N, [j + 0.5 for j in jitter], [20] * N, [4.5] * N)
+    assert sd["speedup_e2e"] == pytest.approx(expected.ratio)
+    assert (sd["speedup_e2e_low"], sd["speedup_e2e_high"]) == pytest.approx((expected.low, expected.high))
+    assert sd["speedup_e2e_low"] < sd["speedup_e2e"] < sd["speedup_e2e_high"]
+    assert f"| {sd['speedup_e2e']:.2f} [{sd['speedup_e2e_low']:.2f}, {sd['speedup_e2e_high']:.2f}] |" in markdown_table([sd])
+    few = {r["method"]: r for r in summarize([r for r in noisy if r["prompt_index"] < 9])}["sd:k=4"]
+    assert few["speedup_e2e"] is not None and few["speedup_e2e_low"] is None

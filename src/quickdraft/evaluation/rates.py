@@ -30,8 +30,10 @@ from scipy import stats
 
 from quickdraft.errors import QuickdraftError
 
-#: the fewest prompts an interval is computed from
-MIN_PROMPTS = 3
+#: the fewest prompts an interval is computed from. The bootstrap undercovers on few prompts: in
+#: 300 simulated runs at a true ratio of 1 (prompt difficulty shared, 12% noise per run) the 95%
+#: interval held 1 in 66% of the runs with 3 prompts, 82% with 5, 89% with 10 and 92% with 20.
+MIN_PROMPTS = 10
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def rate_ratio(
     """The ratio of A's rate to B's over the same prompts (element ``i`` of each sequence is prompt
     ``i``), with a paired BCa bootstrap interval over the prompts.
 
-    >>> r = rate_ratio([100, 50, 80], [10, 5, 8], [100, 50, 80], [20, 10, 16])
+    >>> tokens = [100, 50, 80, 120, 60, 90, 110, 70, 40, 130]
+    >>> r = rate_ratio(tokens, [t / 10 for t in tokens], tokens, [t / 5 for t in tokens])
     >>> round(r.ratio, 6), round(r.low, 6), round(r.high, 6)
     (2.0, 2.0, 2.0)
     """

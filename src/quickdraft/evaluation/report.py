@@ -19,7 +19,9 @@ that temperature finished, so all rows of a table share the same prompts.
     Σ new tokens / Σ (prefill + decode) seconds; the only rate anchors expose, so it is the column
     that compares quickdraft with other tools.
 ``speedup_decode``, ``speedup_e2e``
-    Ratio to the ``ar`` row (target alone, our engine) at the same temperature.
+    Ratio to the ``ar`` row (target alone, our engine) at the same temperature, with
+    ``speedup_*_low`` / ``speedup_*_high``: its 95 % paired bootstrap interval over the prompts
+    (:func:`quickdraft.evaluation.rates.rate_ratio`; none under 10 prompts, where it would undercover).
 ``mean_acceptance_length``
     Σ emitted / Σ steps, counting the recovered/bonus token (= new tokens per verifying forward).
 ``acceptance_by_position``
@@ -62,7 +64,8 @@ README_END = "<!-- results:end -->"
 
 CSV_FIELDS = (
     "temperature", "method", "name", "kind", "lossless", "prompts", "new_tokens", "decode_tps", "e2e_tps",
-    "speedup_decode", "speedup_e2e", "mean_acceptance_length", "acceptance_rate", "lossy_share",
+    "speedup_decode", "speedup_decode_low", "speedup_decode_high", "speedup_e2e", "speedup_e2e_low",
+    "speedup_e2e_high", "mean_acceptance_length", "acceptance_rate", "lossy_share",
     "target_forwards", "draft_forwards", "acceptance_by_position", "passed", "pass_at_1", "pass_low", "pass_high",
     "unparseable", "baseline", "vs_baseline_difference", "vs_baseline_only_method", "vs_baseline_only_baseline",
     "vs_baseline_p", "target_mean_logprob", "vs_baseline_logprob_difference", "vs_baseline_logprob_low",
@@ -118,6 +121,20 @@ def _per_prompt_logprob(records: list[dict[str, Any]]) -> dict[str, float] | Non
     return out
 
 
+def _speedup_interval(mine, ar) -> tuple[float | None, float | None]:
+    """95 % paired bootstrap interval of one row's rate over ``ar``'s from their per-prompt
+    (tokens, seconds), the same prompts in the same order; ``(None, None)`` where none can be given."""
+    from quickdraft.evaluation.rates import rate_ratio
+
+    if mine is None or ar is None:
+        return None, None
+    try:
+        r = rate_ratio(mine[0], mine[1], ar[0], ar[1])
+    except QuickdraftError:  # e.g. a record with zero seconds
+        return None, None
+    return (None, None) if r.low != r.low else (r.low, r.high)  # NaN: too few prompts
+
+
 def summarize(records: list[dict[str, Any]], baseline: str | None = None, method_order: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per (temperature, method) over the complete cases (see the module docstring)."""
     from quickdraft.evaluation.quality import compare_paired, compare_paired_means, pass_at_1
@@ -154,6 +171,11 @@ def summarize(records: list[dict[str, Any]], baseline: str | None = None, method
                                         for r in sel)
             row["decode_tps"] = _ratio(decoded, _sum(decode)) if all(d is not None for d in decode) else None
             row["e2e_tps"] = _ratio(new_tokens, _sum(r["seconds"] for r in sel))
+            row["_per_prompt"] = {"e2e": ([r["new_tokens"] for r in sel], [r["seconds"] for r in sel])}
+            if row["decode_tps"] is not None:
+                row["_per_prompt"]["decode"] = (
+                    [r["new_tokens"] - max(0, min(r["new_tokens"], (r.get("metrics") or {}).get("prefill_tokens", 0)))
+                     for r in sel], decode)
             metrics = [r.get("metrics") for r in sel]
             if all(mm is not None for mm in metrics):
                 steps = _sum(mm["steps"] for mm in metrics)
@@ -202,6 +224,11 @@ def summarize(records: list[dict[str, Any]], baseline: str | None = None, method
             if ar is not None:
                 row["speedup_decode"] = _ratio(row["decode_tps"], ar["decode_tps"]) if row.get("decode_tps") and ar.get("decode_tps") else None
                 row["speedup_e2e"] = _ratio(row["e2e_tps"], ar["e2e_tps"]) if row.get("e2e_tps") and ar.get("e2e_tps") else None
+                if row is not ar:
+                    for rate in ("decode", "e2e"):
+                        if row[f"speedup_{rate}"] is not None:
+                            row[f"speedup_{rate}_low"], row[f"speedup_{rate}_high"] = _speedup_interval(
+                                row["_per_prompt"].get(rate), ar["_per_prompt"].get(rate))
     return [{k: row.get(k) for k in CSV_FIELDS} for row in rows]
 
 
@@ -223,6 +250,13 @@ def _f(value: Any, fmt: str = ".2f", none: str = "–") -> str:
     return none if value is None else format(value, fmt)
 
 
+def _with_interval(row: dict[str, Any], key: str) -> str:
+    """``1.23 [1.10, 1.35]``: a value with its interval where the row has one."""
+    if row[key] is None or row.get(f"{key}_low") is None:
+        return _f(row[key])
+    return f"{row[key]:.2f} [{row[f'{key}_low']:.2f}, {row[f'{key}_high']:.2f}]"
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The summary as a GitHub markdown table (columns that are empty for every row are dropped)."""
     columns = [
@@ -231,8 +265,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         ("n", lambda r: str(r["prompts"])),
         ("tok/s decode", lambda r: _f(r["decode_tps"])),
         ("tok/s e2e", lambda r: _f(r["e2e_tps"])),
-        ("× ar (decode)", lambda r: _f(r["speedup_decode"])),
-        ("× ar (e2e)", lambda r: _f(r["speedup_e2e"])),
+        ("× ar (decode) [95% CI]", lambda r: _with_interval(r, "speedup_decode")),
+        ("× ar (e2e) [95% CI]", lambda r: _with_interval(r, "speedup_e2e")),
         ("acc. length", lambda r: _f(r["mean_acceptance_length"])),
         ("lossy share", lambda r: _f(r["lossy_share"], ".1%") if r["lossy_share"] else ("–" if r["lossy_share"] is None else "0")),
         ("pass@1 [95% CI]", lambda r: "–" if r["pass_at_1"] is None else
@@ -505,7 +539,8 @@ def readme_section(run_dirs: list[Path], readme: Path) -> str:
         "",
         "Generated from the committed runs under `benchmarks/results/bench/` (raw per-prompt JSON, "
         "`summary.csv`, plots). Terms as above; *tok/s decode* excludes prefill, *e2e* includes it "
-        "(the only rate the anchors expose); × ar is relative to target alone in the same run; "
+        "(the only rate the anchors expose); × ar is relative to target alone in the same run, with a 95% "
+        "paired bootstrap interval over the prompts (from 10 prompts on); "
         "pass@1 intervals are 95% Wilson; Δ vs baseline is an exact McNemar test against the lossless "
         "reference on the same problems. Model load time is excluded from every rate.",
         "",
@@ -579,12 +614,18 @@ def _truncation_note(config: dict) -> str:
 
 
 def _weights_note(models: dict) -> str:
-    """``"auto"`` or e.g. ``"auto; draft int4"``: the dtype and any weight-only quantisation."""
-    note = str(models.get("dtype"))
+    """``"auto"``, ``"auto; draft int4"`` or ``"openvino; target int8; draft int4, 49,153-entry head"``:
+    the backend where it is not torch (else the dtype), any weight-only quantisation and a reduced
+    draft head."""
+    backend = models.get("backend")
+    note = str(backend if backend not in (None, "torch") else models.get("dtype"))
     if models.get("quantize"):
         note += f"; target {models['quantize']}"
-    if models.get("quantize_draft"):
-        note += f"; draft {models['quantize_draft']}"
+    draft = [str(models["quantize_draft"])] if models.get("quantize_draft") else []
+    if isinstance(models.get("draft_head"), int):  # a reduced head ("full" otherwise)
+        draft.append(f"{models['draft_head']:,}-entry head")
+    if draft:
+        note += "; draft " + ", ".join(draft)
     return note
 
 

@@ -58,9 +58,9 @@ from quickdraft.decoding.engine import GenerationOutput, TokenCallback, generate
 from quickdraft.errors import QuickdraftError
 from quickdraft.verification.sampling import sample_rows
 from quickdraft.verification.multidraft_verifiers import kseq_verify, optimal_greedy_verify, rrs_verify
-from quickdraft.verification.race import race_keys as make_race_keys, race_sample
+from quickdraft.verification.race import race_sample
 from quickdraft.decoding.proposals import Walk
-from quickdraft.verification.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule, VerifyContext, race_seeds
+from quickdraft.verification.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule, VerifyContext
 from quickdraft.backends.runner import ModelRunner
 from quickdraft.verification.sampling import SamplingParams, argmax, logits_to_probs, raw_probs
 from quickdraft.decoding.tree import (
@@ -298,13 +298,9 @@ class TreeProposer:
         root_logits, expand = self.begin(sequences)
         roots = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
         keys = None
-        if self.race is not None:  # [B, D + 1] noise of the positions after depth-0 … D nodes, by row id
-            rows = ctx.extra["row_ids"].cpu()
-            seeds = race_seeds(ctx, self.race.seed, len(rows), rows.device)
-            keys = make_race_keys(
-                seeds.unsqueeze(1) if isinstance(seeds, torch.Tensor) else seeds, rows.unsqueeze(1),
-                ctx.positions.cpu().unsqueeze(1) + torch.arange(config.tree_depth + 1),
-            )
+        if self.race is not None:  # [B, D + 1] noise of the positions after depth-0 … D nodes, by row
+            b = len(sequences)
+            keys = self.race.keys(ctx, b, torch.arange(config.tree_depth + 1).expand(b, -1), torch.device("cpu"))
         tree = build_tree(
             roots, root_logits, expand, config, self.sampling, ctx.generator, keep_raw=self.fuzzy is not None,
             race_keys=None if keys is None or config.scheme != RACE_SCHEME else keys[:, :-1],

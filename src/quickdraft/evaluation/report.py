@@ -167,15 +167,13 @@ def summarize(records: list[dict[str, Any]], baseline: str | None = None, method
                 "prompts": len(sel), "new_tokens": int(new_tokens),
             }
             decode = [r.get("decode_seconds") for r in sel]
-            decoded = new_tokens - _sum(max(0, min(r["new_tokens"], (r.get("metrics") or {}).get("prefill_tokens", 0)))
-                                        for r in sel)
-            row["decode_tps"] = _ratio(decoded, _sum(decode)) if all(d is not None for d in decode) else None
+            decoded = [r["new_tokens"] - max(0, min(r["new_tokens"], (r.get("metrics") or {}).get("prefill_tokens", 0)))
+                       for r in sel]  # per prompt, the prefill's token left out
+            row["decode_tps"] = _ratio(_sum(decoded), _sum(decode)) if all(d is not None for d in decode) else None
             row["e2e_tps"] = _ratio(new_tokens, _sum(r["seconds"] for r in sel))
             row["_per_prompt"] = {"e2e": ([r["new_tokens"] for r in sel], [r["seconds"] for r in sel])}
             if row["decode_tps"] is not None:
-                row["_per_prompt"]["decode"] = (
-                    [r["new_tokens"] - max(0, min(r["new_tokens"], (r.get("metrics") or {}).get("prefill_tokens", 0)))
-                     for r in sel], decode)
+                row["_per_prompt"]["decode"] = (decoded, decode)
             metrics = [r.get("metrics") for r in sel]
             if all(mm is not None for mm in metrics):
                 steps = _sum(mm["steps"] for mm in metrics)

@@ -6,6 +6,7 @@ Rows (``--configs``):
 * ``vllm-sd``  vLLM's draft-model speculative decoding (K = ``--k``, ``draft_sample_method =
   "probabilistic"``) with its own rejection sampling (``quickdraft_rule: vllm``)
 * ``qd-lossless``  the same engine, the plugin's ``lossless`` rule
+* ``qd-ersd``  the same engine, ERSD (``ExponentialRace``: drafts by the race, keyed by the request's seed)
 * ``qd-fsd<T>``  the same engine, FSD (``Fuzzy``, JS divergence) at threshold ``T``, e.g. ``qd-fsd0.4``
 
 Two engines are loaded side by side by this process (each with its engine-core process, as vLLM
@@ -61,10 +62,12 @@ def rule_args(config: str) -> dict | None:
         return {"quickdraft_rule": "vllm"}
     if config == "qd-lossless":
         return {"quickdraft_rule": "lossless"}
+    if config == "qd-ersd":
+        return {"quickdraft_rule": "ersd"}
     if config.startswith("qd-fsd"):
         return {"quickdraft_rule": "fsd", "quickdraft_divergence": "js",
                 "quickdraft_threshold": float(config.removeprefix("qd-fsd"))}
-    raise SystemExit(f"unknown config {config!r}: plain, vllm-sd, qd-lossless or qd-fsd<threshold>")
+    raise SystemExit(f"unknown config {config!r}: plain, vllm-sd, qd-lossless, qd-ersd or qd-fsd<threshold>")
 
 
 def spec_counters(llm) -> dict[str, float]:

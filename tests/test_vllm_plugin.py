@@ -20,7 +20,9 @@ from scipy import stats
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.backends import vllm_plugin
-from quickdraft.backends.vllm_plugin import BatchPlan, plan_scope, rule_from_args, verify_requests
+from quickdraft.backends.vllm_plugin import (BatchPlan, plan_scope, race_drafts, race_row_key, request_row_id,
+                                             rule_from_args, verify_requests)
+from quickdraft.verification.race import race_keys, race_sample, seed_words
 from quickdraft.verification.rules import ExponentialRace, Fuzzy, Lossless, Typical
 from quickdraft.verification.verify import verify_chain
 
@@ -150,6 +152,100 @@ def test_verify_requests_negative_draft_id_ends_the_draft():
 
 
 # ---------------------------------------------------------------------------------------------
+# ERSD's race on the draft's side and for the bonus token
+# ---------------------------------------------------------------------------------------------
+
+
+def test_race_row_key_is_the_request_seed_alone_when_it_has_one():
+    ersd = ExponentialRace(seed=3)
+    assert race_row_key(ersd, "cmpl-a", 11) == race_row_key(ersd, "cmpl-b", 11) == (11, 0)
+    assert race_row_key(ersd, "cmpl-a", None) == (3, request_row_id("cmpl-a"))
+    assert race_row_key(ersd, "cmpl-a", None) != race_row_key(ersd, "cmpl-b", None)
+    assert race_row_key(None, "cmpl-a", None) == (0, request_row_id("cmpl-a"))
+
+
+def _race_batch(n, k, vocab, seed, temperature=1.0):
+    """``n`` ERSD requests of which the first half draft from the target's own logits, the rest
+    from a perturbed copy; the drafts by :func:`race_drafts` at positions ``pos + j``."""
+    gen = torch.Generator().manual_seed(seed)
+    target_logits = 2.0 * torch.randn(n, k, vocab, generator=gen)
+    draft_logits = target_logits.clone()
+    draft_logits[n // 2:] += 1.5 * torch.randn(n - n // 2, k, vocab, generator=gen)
+    rules = [ExponentialRace(seed=4)] * n
+    plan = BatchPlan(rules=rules, positions=torch.arange(n) + 20, row_ids=torch.arange(n) + 7,
+                     row_seeds=seed_words(range(100, 100 + n)))
+    temperatures = torch.full((n,), temperature)
+    draft_ids = torch.stack([
+        race_drafts(draft_logits[:, j].argmax(-1), draft_logits[:, j], temperatures, plan, plan.positions + j)
+        for j in range(k)], dim=1)
+    draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
+    return plan, draft_ids, draft_probs, target_logits / temperature
+
+
+def test_race_drafts_are_the_drafts_race_winners_under_the_targets_keys():
+    n, k, vocab = 40, 3, 50
+    plan, draft_ids, draft_probs, target_logits = _race_batch(n, k, vocab, seed=0)
+    keys = race_keys(plan.row_seeds[:, None], plan.row_ids[:, None], plan.positions[:, None] + torch.arange(k))
+    assert torch.equal(draft_ids, race_sample(draft_probs, keys))
+    # a draft with the target's distribution proposes exactly the target's winners: every draft accepted
+    cu = torch.arange(1, n + 1, dtype=torch.int32) * k
+    bonus = torch.zeros(n, 1, dtype=torch.long)
+    got = verify_requests(ExponentialRace(seed=4), torch.arange(n), draft_ids.reshape(-1).to(torch.int32), cu,
+                          draft_probs.reshape(n * k, vocab), target_logits.reshape(n * k, vocab), bonus,
+                          torch.zeros(n, dtype=torch.bool), plan.positions, plan.row_ids, None,
+                          row_seeds=plan.row_seeds)
+    same = got.num_accepted[: n // 2]
+    assert same.tolist() == [k] * (n // 2)
+    # the perturbed drafts are rejected somewhere, and keyed by another seed even the exact ones are
+    assert got.num_accepted[n // 2:].float().mean() < k
+    other = verify_requests(ExponentialRace(seed=4), torch.arange(n), draft_ids.reshape(-1).to(torch.int32), cu,
+                            draft_probs.reshape(n * k, vocab), target_logits.reshape(n * k, vocab), bonus,
+                            torch.zeros(n, dtype=torch.bool), plan.positions, plan.row_ids, None,
+                            row_seeds=seed_words(range(500, 500 + n)))
+    assert other.num_accepted[: n // 2].float().mean() < 1.0
+
+
+def test_race_drafts_leave_greedy_and_other_rules_requests_alone():
+    n, vocab = 6, 30
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(2))
+    given = torch.arange(n)
+    rules = [ExponentialRace(), Lossless(), ExponentialRace(), None, ExponentialRace(), ExponentialRace()]
+    plan = BatchPlan(rules=rules, positions=torch.full((n,), 5), row_ids=torch.arange(n))
+    temperature = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.7, 1e-6])
+    got = race_drafts(given, logits, temperature, plan, plan.positions)
+    assert got[[1, 2, 3, 5]].tolist() == [1, 2, 3, 5]
+    keys = race_keys(seed_words([0, 0]), plan.row_ids[[0, 4]], plan.positions[[0, 4]])
+    want = race_sample(torch.softmax(logits[[0, 4]] / temperature[[0, 4], None], dim=-1), keys)
+    assert got[[0, 4]].tolist() == want.tolist()
+    assert race_drafts(given, logits, None, plan, plan.positions) is given  # a batch of greedy requests
+
+
+def test_verify_requests_races_ersds_bonus_from_the_bonus_distribution():
+    vocab, k = 13, 2
+    gen = torch.Generator().manual_seed(5)
+    target_logits = torch.full((2 * k, vocab), -30.0)
+    target_logits[:, 3] = 30.0  # both requests accept their drafts [3, 3]
+    draft_ids = torch.full((2 * k,), 3, dtype=torch.int32)
+    cu = torch.tensor([k, 2 * k], dtype=torch.int32)
+    bonus_probs = torch.softmax(torch.randn(2, vocab, generator=gen), dim=-1)
+    vllm_bonus = torch.tensor([[9], [9]])
+    positions, row_ids = torch.tensor([4, 8]), torch.tensor([1, 2])
+    args = (torch.arange(2), draft_ids, cu, None, target_logits, vllm_bonus)
+    for greedy in (False, True):
+        is_greedy = torch.tensor([greedy, False])
+        got = verify_requests(ExponentialRace(seed=2), *args, is_greedy, positions, row_ids, None,
+                              bonus_probs=bonus_probs)
+        keys = race_keys(2, row_ids, positions + k)
+        raced = race_sample(bonus_probs, keys)
+        want_first = 9 if greedy else int(raced[0])  # a greedy request keeps vLLM's bonus
+        assert got.output_ids[:, -1].tolist() == [want_first, int(raced[1])]
+    # every other rule emits vLLM's bonus token
+    got = verify_requests(Lossless(), *args, torch.tensor([False, False]), positions, row_ids, None,
+                          bonus_probs=bonus_probs)
+    assert got.output_ids[:, -1].tolist() == [9, 9]
+
+
+# ---------------------------------------------------------------------------------------------
 # inside vLLM's sampler
 # ---------------------------------------------------------------------------------------------
 
@@ -168,10 +264,14 @@ def vllm_sampler():
     return RejectionSampler(Sampler())
 
 
-def _run_vllm_sampler(sampler, draft_ids, target_logits, draft_probs, temperature, rules, seed):
+def _run_vllm_sampler(sampler, draft_ids, target_logits, draft_probs, temperature, rules, seed, plan=None,
+                      bonus_probs=None):
     """One call of ``RejectionSampler.forward`` on requests with drafts ``draft_ids [B, K]``,
     target logits ``[B, K+1, V]`` (the last row is the bonus position), and ``rules`` (one per
-    request, ``None``: vLLM's); returns its ``[B, K+1]`` output tokens."""
+    request, ``None``: vLLM's); returns its ``[B, K+1]`` output tokens. ``plan`` replaces the
+    default plan (positions 10, row ids ``0..B-1``); ``bonus_probs="sampler"`` sets its bonus
+    distributions as the runner's wrapper does (:func:`vllm_plugin.bonus_distributions`), a tensor
+    sets them to that tensor."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -198,10 +298,17 @@ def _run_vllm_sampler(sampler, draft_ids, target_logits, draft_probs, temperatur
     )
     torch.manual_seed(seed)  # vLLM's own draws (bonus tokens, its rule) use the global generator
     vllm_plugin.seed_generator(seed)
-    plan = BatchPlan(rules=list(rules), positions=torch.full((b,), 10), row_ids=torch.arange(b))
+    if plan is None:
+        plan = BatchPlan(rules=list(rules), positions=torch.full((b,), 10), row_ids=torch.arange(b))
+    logits = target_logits.reshape(b * (k + 1), vocab).clone()
+    if isinstance(bonus_probs, str):
+        plan.bonus_probs = vllm_plugin.bonus_distributions(sampler.sampler, logits, metadata.bonus_logits_indices,
+                                                           sampling)
+    elif bonus_probs is not None:
+        plan.bonus_probs = bonus_probs
     flat_draft_probs = None if draft_probs is None else draft_probs.reshape(b * k, vocab).contiguous()
     with plan_scope(plan):
-        out = sampler(metadata, flat_draft_probs, target_logits.reshape(b * (k + 1), vocab).clone(), sampling)
+        out = sampler(metadata, flat_draft_probs, logits, sampling)
     return out.sampled_token_ids
 
 
@@ -246,6 +353,47 @@ def test_negative_control_accept_every_draft_fails_the_fit(vllm_sampler):
                             [Fuzzy(threshold=math.inf)] * n, seed=0)
     assert torch.equal(out[:, :k], draft_ids.to(out.dtype))
     assert _fit(out[:, 0]) < 1e-6
+
+
+def _ersd_race_requests(n, k, temperature, seed):
+    """``n`` ERSD requests drafting ``k`` tokens from DRAFT by the race (:func:`race_drafts`), the
+    target TARGET at every position, at ``temperature``: (plan, drafts, draft probs, target logits)."""
+    plan = BatchPlan(rules=[ExponentialRace(seed=seed)] * n, positions=torch.full((n,), 10), row_ids=torch.arange(n))
+    draft_logits = DRAFT.log().expand(n, -1)
+    temperatures = torch.full((n,), float(temperature))
+    draft_ids = torch.stack([race_drafts(draft_logits.argmax(-1), draft_logits, temperatures, plan, plan.positions + j)
+                             for j in range(k)], dim=1)
+    draft_probs = torch.softmax(DRAFT.log() / temperature, dim=-1).expand(n, k, -1).contiguous()
+    return plan, draft_ids, draft_probs, TARGET.log().expand(n, k + 1, -1).contiguous()
+
+
+@needs_vllm
+def test_ersd_race_drafts_and_raced_bonus_fit_the_tempered_target_inside_vllms_sampler(vllm_sampler):
+    n, k, temperature = 20_000, 2, 0.7
+    tempered = torch.softmax(TARGET.log() / temperature, dim=-1)
+    plan, draft_ids, draft_probs, target_logits = _ersd_race_requests(n, k, temperature, seed=1)
+    out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, temperature, plan.rules, seed=0,
+                            plan=plan, bonus_probs="sampler")
+
+    def fit(tokens, dist):
+        counts = np.bincount(tokens.numpy(), minlength=len(dist))
+        expected = dist.double().numpy()
+        return stats.chisquare(counts, expected / expected.sum() * counts.sum()).pvalue
+
+    # every emitted position, bonus included (the third, after two accepted drafts), fits the tempered target
+    for j in range(k + 1):
+        emitted = out[:, j][out[:, j] >= 0]
+        assert len(emitted) > 2_000 and fit(emitted, tempered) > 1e-3, j
+    # the race couples the drafts to the target: more accepted than drafts drawn independently would be
+    # (sum_v p_v q_v per position)
+    independent = float((tempered * draft_probs[0, 0]).sum())
+    assert (out[:, 0] == draft_ids[:, 0].to(out.dtype)).float().mean() > independent + 0.05
+    # control: a bonus raced from the untempered distribution fails the fit
+    plan, draft_ids, draft_probs, target_logits = _ersd_race_requests(n, k, temperature, seed=1)
+    out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, temperature, plan.rules, seed=0,
+                            plan=plan, bonus_probs=TARGET.expand(n, -1))
+    bonus = out[:, k][out[:, k] >= 0]
+    assert fit(bonus, tempered) < 1e-6
 
 
 @needs_vllm
@@ -349,6 +497,47 @@ def test_end_to_end_lossless_rule_leaves_greedy_output_unchanged(tmp_path, monke
     overridden = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, per_request)]
     assert overridden == plain
     assert vllm_plugin.ACCEPTANCE_COUNTS["greedy"].steps > 0
+
+
+@needs_vllm
+def test_end_to_end_ersd_drafts_by_the_race_and_keys_seeded_requests_by_their_seed(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    target, draft = _save_tiny_pair(str(tmp_path))
+    prompts = [{"prompt_token_ids": [5, 17, 42, 7]}, {"prompt_token_ids": [100, 3, 9]},
+               {"prompt_token_ids": [11, 250]}]
+    common = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+
+    def run(llm, seeds, batch):
+        params = [SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=seed,
+                                 extra_args={"quickdraft_rule": "ersd"}) for seed in seeds]
+        return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params)]
+
+    # a draft identical to the target races to the target's tokens: every draft accepted
+    # (drafts sampled independently of the race accepted 7 of 258 here)
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3},
+              **common)
+    vllm_plugin.ACCEPTANCE_COUNTS.clear()
+    exact = run(llm, [7, 8, 9], prompts)
+    counts = vllm_plugin.ACCEPTANCE_COUNTS["ersd"]
+    assert counts.drafted > 0 and counts.accepted == counts.drafted
+    del llm
+
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+                                          "draft_sample_method": "probabilistic"}, **common)
+    vllm_plugin.ACCEPTANCE_COUNTS.clear()
+    perturbed = run(llm, [7, 8, 9], prompts)
+    counts = vllm_plugin.ACCEPTANCE_COUNTS["ersd"]
+    assert 0 < counts.accepted < counts.drafted
+    # every token is the target's race winner keyed by the request's seed: the text does not depend
+    # on the drafter, the request's id or what shares its batch
+    assert perturbed == exact
+    assert run(llm, [8], prompts[1:2]) == [exact[1]]
+    # control: other seeds, other texts
+    other = run(llm, [17, 18, 19], prompts)
+    assert all(o != e for o, e in zip(other, exact))
 
 
 def test_expand_batch_to_tokens_repeats_per_request():

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -167,6 +168,19 @@ def test_fsd_greedy_request_sees_the_drafts_distribution(server, client):
     drafted_1, accepted_1 = _spec_counters(server)
     assert len(tokens) == MAX_TOKENS
     assert drafted_1 > drafted_0 and accepted_1 - accepted_0 == drafted_1 - drafted_0
+
+
+def test_seeded_ersd_request_gives_the_same_text_alone_and_beside_others(server, client):
+    xargs = {"quickdraft_rule": "ersd"}
+    alone = _complete(client, PROMPTS[0], 1.0, xargs, seed=5)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        seeded = pool.submit(_complete, client, PROMPTS[0], 1.0, xargs, seed=5)
+        others = [pool.submit(_complete, client, prompt, 1.0, xargs) for prompt in PROMPTS[1:]]
+        beside = seeded.result()
+        assert all(len(f.result()) == MAX_TOKENS for f in others)
+    assert beside == alone
+    # control: another seed, another text
+    assert _complete(client, PROMPTS[0], 1.0, xargs, seed=6) != alone
 
 
 def test_unknown_rule_is_a_400_and_the_server_keeps_answering(server, client):

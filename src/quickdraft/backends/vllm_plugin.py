@@ -59,7 +59,20 @@ raw distributions (``VerifyContext.raw_*``, read by FSD's divergence)
 the bonus token
     vLLM's, sampled by its sampler from the target's processed distribution after the last draft
     position: :func:`verify_requests` sets the target's row there to that token's one-hot vector,
-    so every rule's ``bonus`` returns it.
+    so every rule's ``bonus`` returns it. ERSD instead races it from that distribution
+    (:func:`bonus_distributions`).
+
+ERSD as published
+-----------------
+The race couples the draft with the target: both take their token at a position from the same
+arrival times, keyed by (seed, row id, position). The plugin keeps that coupling inside vLLM:
+the proposer's tokens for an ERSD request are the draft's race winners (:func:`race_drafts`,
+through wrappers around ``GPUModelRunner.propose_draft_token_ids`` and the proposer's
+``set_inputs_first_pass`` and ``_sample_draft_tokens``), and its bonus token is the target's
+winner. Every token a request emits is then the target's race winner at its position, so its
+text depends on its race key and prompt only: a request with a seed (``SamplingParams.seed``) is
+keyed by that seed alone (:func:`race_row_key`) and gets the same text whatever drafter, request
+id or batch it meets.
 """
 
 from __future__ import annotations
@@ -76,6 +89,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.verification.race import race_keys, race_sample, seed_words
 from quickdraft.verification.rules import ExponentialRace, Fuzzy, Greedy, Lossless, Rule, Typical, VerifyContext
 from quickdraft.verification.verify import verify_chain
 
@@ -95,6 +109,8 @@ VLLM_RULES: dict[str, type[Rule]] = {
 
 # vLLM's placeholder for "no token" in the output of its accept step
 PLACEHOLDER_TOKEN_ID = -1
+#: temperatures at or below this are greedy (vLLM's ``_SAMPLING_EPS``)
+GREEDY_EPS = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,8 +153,18 @@ def _build_rule(name: str, rule_args_json: str) -> Rule:
 
 
 def request_row_id(request_id: str) -> int:
-    """A stable non-negative id of a vLLM request (ERSD keys its shared randomness on it)."""
+    """A stable non-negative id of a vLLM request (ERSD keys the race of a request without a seed on it)."""
     return zlib.crc32(request_id.encode()) & 0x7FFFFFFF
+
+
+def race_row_key(rule: Rule | None, request_id: str, seed: int | None) -> tuple[int, int]:
+    """``(race seed, row id)`` of a request's ERSD race: ``(seed, 0)`` for a request with a seed of
+    its own (``SamplingParams.seed``; vLLM gives the ``n`` choices of a request seeds ``seed + i``),
+    so its text depends on its seed and prompt alone, not on its request id or its batch; else the
+    rule's seed and :func:`request_row_id`."""
+    if seed is not None:
+        return seed, 0
+    return getattr(rule, "seed", 0), request_row_id(request_id)
 
 
 @dataclass
@@ -151,13 +177,26 @@ class BatchPlan:
         ``[B]`` the rule of each request in vLLM's batch order (``None``: vLLM's rule).
     positions:
         ``[B]`` int64 absolute position of each request's first draft token (its tokens so far).
-    row_ids:
-        ``[B]`` int64 stable id of each request (:func:`request_row_id`).
+    row_ids, row_seeds:
+        ``[B]`` int64 ERSD race key of each request (:func:`race_row_key`; seeds as 64-bit
+        patterns, :func:`~quickdraft.verification.race.seed_words`; ``row_seeds=None``: each
+        rule's seed).
+    bonus_probs:
+        ``[B, V]`` the target's processed distribution at each request's bonus position, as vLLM's
+        sampler draws the bonus token from it, where the batch holds an ERSD request at a
+        temperature above 0 (:func:`bonus_distributions`); else ``None``.
     """
 
     rules: list[Rule | None]
     positions: torch.Tensor
     row_ids: torch.Tensor
+    row_seeds: torch.Tensor | None = None
+    bonus_probs: torch.Tensor | None = None
+
+    @property
+    def races(self) -> bool:
+        """Whether a request of the batch verifies with ERSD."""
+        return any(isinstance(rule, ExponentialRace) for rule in self.rules)
 
 
 @dataclass
@@ -229,6 +268,8 @@ def verify_requests(
     positions: torch.Tensor,
     row_ids: torch.Tensor,
     generator: torch.Generator | None,
+    row_seeds: torch.Tensor | None = None,
+    bonus_probs: torch.Tensor | None = None,
 ):
     """Verify the drafts of requests ``rows`` with ``rule``, from vLLM's ragged layout.
 
@@ -260,6 +301,12 @@ def verify_requests(
         ``[B]`` int64, as in :class:`BatchPlan`.
     generator:
         Random source of the accept and recover draws.
+    row_seeds:
+        ``[B]`` int64 ERSD race seeds (:class:`BatchPlan`); ``None``: the rule's seed for every row.
+    bonus_probs:
+        ``[B, V]`` the target's processed distribution at the bonus position (:class:`BatchPlan`).
+        ERSD races its bonus token there (a request at temperature 0 keeps vLLM's); ``None``, or
+        any other rule: vLLM's bonus token.
 
     Returns
     -------
@@ -294,10 +341,13 @@ def verify_requests(
     raw_target = torch.softmax(target_logits.float()[token_rows], dim=-1)  # [n, K, V]
     bonus_one_hot = torch.nn.functional.one_hot(
         bonus_token_ids.reshape(-1)[rows].to(device).long(), vocab_size).float()  # [n, V]
-    raw_target = torch.cat([raw_target, bonus_one_hot[:, None, :]], dim=1)  # [n, K+1, V]
-    after_draft = torch.arange(k + 1, device=device)[None, :] >= num_drafts[:, None]  # [n, K+1]
-    raw_target = torch.where(after_draft[..., None], bonus_one_hot[:, None, :], raw_target)
     greedy_rows = torch.ones(n, dtype=torch.bool, device=device) if is_greedy is None else is_greedy.to(device)[rows]
+    bonus = bonus_one_hot
+    if bonus_probs is not None and isinstance(rule, ExponentialRace):
+        bonus = torch.where(greedy_rows[:, None], bonus_one_hot, bonus_probs.to(device).float()[rows])
+    raw_target = torch.cat([raw_target, bonus[:, None, :]], dim=1)  # [n, K+1, V]
+    after_draft = torch.arange(k + 1, device=device)[None, :] >= num_drafts[:, None]  # [n, K+1]
+    raw_target = torch.where(after_draft[..., None], bonus[:, None, :], raw_target)
     one_hot_argmax = torch.nn.functional.one_hot(raw_target.argmax(dim=-1), vocab_size).float()  # [n, K+1, V]
     target_probs = torch.where(greedy_rows[:, None, None], one_hot_argmax, raw_target)
 
@@ -315,6 +365,8 @@ def verify_requests(
         raw_target_probs=raw_target,
         extra={"row_ids": row_ids.to(device).long()[rows]},
     )
+    if row_seeds is not None:
+        ctx.extra["row_seeds"] = row_seeds.to(device).long()[rows]
     return verify_chain(draft_ids, raw_draft, target_probs, rule, ctx=ctx, draft_lengths=draft_lengths,
                         check_probs=False)
 
@@ -334,18 +386,21 @@ def apply_plan(
 
     Requests with the same rule and no seed of their own are verified in one batched call with the
     plugin's generator; a request with its own ``torch.Generator`` (a seeded vLLM request) on its
-    own with it, so its output depends on its seed alone.
+    own with it, so its output depends on its seed alone. ERSD draws nothing from a generator (its
+    race is keyed by :func:`race_row_key`), so its requests share one call, seeded or not.
     """
     groups: dict[tuple[int, int | None], list[int]] = {}
     for b, rule in enumerate(plan.rules):
         if rule is not None:
-            groups.setdefault((id(rule), b if b in generators else None), []).append(b)
+            own_generator = b in generators and not isinstance(rule, ExponentialRace)
+            groups.setdefault((id(rule), b if own_generator else None), []).append(b)
     for (_, seeded_row), batch_rows in groups.items():
         rule = plan.rules[batch_rows[0]]
         generator = generators[seeded_row] if seeded_row is not None else _plugin_generator()
         rows = torch.tensor(batch_rows, dtype=torch.long)
         result = verify_requests(rule, rows, draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits,
-                                 bonus_token_ids, is_greedy, plan.positions, plan.row_ids, generator)
+                                 bonus_token_ids, is_greedy, plan.positions, plan.row_ids, generator,
+                                 row_seeds=plan.row_seeds, bonus_probs=plan.bonus_probs)
         width = result.output_ids.shape[1]
         index = rows.to(output_token_ids.device)
         output_token_ids[index] = PLACEHOLDER_TOKEN_ID
@@ -360,6 +415,66 @@ def apply_plan(
 
 
 # ---------------------------------------------------------------------------------------------
+# ERSD's race on both sides: the draft's tokens and the target's bonus token
+# ---------------------------------------------------------------------------------------------
+
+
+def race_drafts(
+    draft_ids: torch.Tensor,  # [n]
+    logits: torch.Tensor,  # [n, V]
+    temperature: torch.Tensor | None,  # [n]
+    plan: BatchPlan,
+    positions: torch.Tensor,  # [n]
+) -> torch.Tensor:
+    """The draft tokens ``[n]`` with each ERSD request's at a temperature above 0 replaced by the
+    draft's race winner argmin_v E_v / q(v), ``q`` the softmax of the draft logits at the request's
+    temperature and ``E`` the arrival times of the request's race key (:func:`race_row_key`) at
+    ``positions`` (the number of tokens before the drafted one): the same arrival times the
+    target's winner at that position is drawn with, so a draft that agrees with the target
+    proposes the token the target emits (ERSD's coupling). Other requests keep ``draft_ids``.
+    """
+    if temperature is None:  # a batch of greedy requests: argmax drafts are the race's at temperature 0
+        return draft_ids
+    raced = torch.tensor([isinstance(rule, ExponentialRace) for rule in plan.rules], dtype=torch.bool)
+    raced = raced.to(temperature.device) & (temperature > GREEDY_EPS)
+    rows = raced.nonzero().flatten()
+    if rows.numel() == 0:
+        return draft_ids
+    device = logits.device
+    probs = torch.softmax(logits[rows].float() / temperature[rows].to(device).float()[:, None], dim=-1)
+    if plan.row_seeds is None:
+        seeds = seed_words([getattr(rule, "seed", 0) for rule in plan.rules]).to(device)[rows]
+    else:
+        seeds = plan.row_seeds.to(device)[rows]
+    keys = race_keys(seeds, plan.row_ids.to(device)[rows], positions.to(device)[rows])
+    draft_ids = draft_ids.clone()
+    draft_ids[rows] = race_sample(probs, keys).to(draft_ids.dtype)
+    return draft_ids
+
+
+def bonus_distributions(sampler, logits: torch.Tensor, bonus_logits_indices: torch.Tensor, sampling_metadata):
+    """``[B, V]`` the target's processed distribution at each request's bonus position, processed
+    as vLLM's ``Sampler`` processes the bonus logits before drawing the bonus token (allowed
+    tokens, bad words, logits processors, penalties, temperature, min-p, top-k, top-p), so that
+    ERSD can race its bonus token instead. ``None`` for a batch of greedy requests, or while
+    vLLM's thinking budget tracks a request (its processing updates that state)."""
+    if sampling_metadata.all_greedy:
+        return None
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        return None
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    bonus = logits[bonus_logits_indices].to(torch.float32)  # a copy: indexing with a tensor
+    bonus = sampler.apply_logits_processors(bonus, sampling_metadata, predict_bonus_token=True)
+    bonus = sampler.apply_temperature(bonus, sampling_metadata.temperature, sampling_metadata.all_random)
+    for processor in sampling_metadata.logitsprocs.argmax_invariant:
+        bonus = processor.apply(bonus)
+    bonus = apply_top_k_top_p(bonus, sampling_metadata.top_k, sampling_metadata.top_p)
+    return torch.softmax(bonus, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
 # the patches
 # ---------------------------------------------------------------------------------------------
 
@@ -367,6 +482,11 @@ _vllm_rejection_sample = None  # vLLM's accept step, kept by register()
 _vllm_sample = None  # GPUModelRunner._sample, kept by register()
 _vllm_validate_spec_decode = None  # SamplingParams._validate_spec_decode, kept by register()
 _vllm_sample_draft_tokens = None  # SpecDecodeBaseProposer._sample_draft_tokens, kept by register()
+_vllm_set_inputs_first_pass = None  # SpecDecodeBaseProposer.set_inputs_first_pass, kept by register()
+_vllm_propose_draft_token_ids = None  # GPUModelRunner.propose_draft_token_ids, kept by register()
+
+# the plan of the batch whose drafts are being proposed, where it has an ERSD request
+_draft_plan: BatchPlan | None = None
 
 
 def rejection_sample(
@@ -433,12 +553,75 @@ def sample_draft_tokens(
     accepted). Here such a batch gets the same as in a mixed batch: the argmax draft, as vLLM's
     (its greedy output is unchanged: vLLM's greedy accept step ignores the draft distribution),
     with the temperature-1 softmax beside it.
+
+    In a batch with an ERSD request, the ERSD requests at a temperature above 0 draft their race
+    winners instead (:func:`race_drafts`); the distributions handed on are vLLM's.
     """
-    if (not getattr(self, "_enable_probabilistic_draft_probs", False) or not sampling_metadata.all_greedy
-            or getattr(self, "use_heterogeneous_vocab", False) or getattr(self, "use_local_argmax_reduction", False)):
-        return _vllm_sample_draft_tokens(self, hidden_states, sampling_metadata)
+    positions = _race_positions(self, hidden_states.shape[0])
+    if positions is None:
+        if (not getattr(self, "_enable_probabilistic_draft_probs", False) or not sampling_metadata.all_greedy
+                or _custom_vocab(self)):
+            return _vllm_sample_draft_tokens(self, hidden_states, sampling_metadata)
+        logits = self.model.compute_logits(hidden_states)  # [n, V]
+        return logits.argmax(dim=-1), logits.softmax(dim=-1, dtype=torch.float32)
+
+    # a batch with an ERSD request: vLLM's drafts and distributions from one logits computation,
+    # then the ERSD requests' tokens by the race
     logits = self.model.compute_logits(hidden_states)  # [n, V]
-    return logits.argmax(dim=-1), logits.softmax(dim=-1, dtype=torch.float32)
+    if not getattr(self, "_enable_probabilistic_draft_probs", False):
+        draft_ids, draft_probs = logits.argmax(dim=-1), None
+    elif sampling_metadata.all_greedy:
+        draft_ids, draft_probs = logits.argmax(dim=-1), logits.softmax(dim=-1, dtype=torch.float32)
+    else:
+        from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
+
+        draft_ids, draft_probs = compute_probs_and_sample_next_token(logits.clone(), sampling_metadata,
+                                                                     getattr(self, "use_fp64_gumbel", False))
+    draft_ids = race_drafts(draft_ids, logits, sampling_metadata.temperature, _draft_plan, positions)
+    self._quickdraft_draft_index += 1
+    return draft_ids, draft_probs
+
+
+def _custom_vocab(proposer) -> bool:
+    return getattr(proposer, "use_heterogeneous_vocab", False) or getattr(proposer, "use_local_argmax_reduction", False)
+
+
+def _race_positions(proposer, n: int) -> torch.Tensor | None:
+    """``[n]`` race positions of the tokens the proposer drafts now, where the batch has an ERSD
+    request and the proposer drafts one token per request per pass; else ``None`` (vLLM's drafts)."""
+    first = getattr(proposer, "_quickdraft_race_positions", None)
+    plan = _draft_plan
+    if plan is None or first is None or _custom_vocab(proposer):
+        return None
+    if first.shape[0] != n or len(plan.rules) != n:
+        _warn_once(f"ersd drafts by vLLM's sampling: {n} drafting rows for {len(plan.rules)} requests")
+        return None
+    return first + proposer._quickdraft_draft_index
+
+
+def set_inputs_first_pass(self, *args, **kwargs):
+    """``SpecDecodeBaseProposer.set_inputs_first_pass`` that also keeps, for ERSD, the race position
+    of each request's first draft token: one past the position of the hidden state it is drawn
+    from (the draft's later tokens follow one position each)."""
+    result = _vllm_set_inputs_first_pass(self, *args, **kwargs)
+    self._quickdraft_race_positions = None
+    if _draft_plan is not None and not getattr(self, "uses_mrope", False) and not getattr(self, "parallel_drafting", False):
+        token_indices_to_sample = result[1]
+        self._quickdraft_race_positions = self.positions[token_indices_to_sample].long() + 1
+        self._quickdraft_draft_index = 0
+    return result
+
+
+def propose_draft_token_ids(self, *args, **kwargs):
+    """``GPUModelRunner.propose_draft_token_ids`` with the batch's plan in place while the proposer
+    drafts, so that ERSD's requests draft by the race (:func:`race_drafts`)."""
+    global _draft_plan
+    plan = plan_for_runner(self)
+    _draft_plan = plan if plan.races else None
+    try:
+        return _vllm_propose_draft_token_ids(self, *args, **kwargs)
+    finally:
+        _draft_plan = None
 
 
 def _warn_one_hot_drafts(plan: BatchPlan, draft_probs: torch.Tensor | None) -> None:
@@ -478,8 +661,15 @@ def plan_for_runner(runner) -> BatchPlan:
             _warn_once(f"request {req_id}: {error}; verifying it with vLLM's rule")
             rules.append(None)
     positions = torch.as_tensor(batch.num_tokens_no_spec[: len(req_ids)], dtype=torch.long)
-    row_ids = torch.tensor([request_row_id(r) for r in req_ids], dtype=torch.long)
-    return BatchPlan(rules=rules, positions=positions, row_ids=row_ids)
+    keys = [race_row_key(rule, req_id, _request_seed(runner, req_id)) for rule, req_id in zip(rules, req_ids)]
+    row_seeds = seed_words([seed for seed, _ in keys]) if keys else torch.zeros(0, dtype=torch.long)
+    row_ids = torch.tensor([row_id for _, row_id in keys], dtype=torch.long)
+    return BatchPlan(rules=rules, positions=positions, row_ids=row_ids, row_seeds=row_seeds)
+
+
+def _request_seed(runner, req_id: str) -> int | None:
+    params = getattr(runner.requests.get(req_id), "sampling_params", None)
+    return getattr(params, "seed", None)
 
 
 def _engine_rule(runner) -> Rule | None:
@@ -502,6 +692,9 @@ def _sample(self, logits, spec_decode_metadata):
     if spec_decode_metadata is None:
         return _vllm_sample(self, logits, spec_decode_metadata)
     _current_plan = plan_for_runner(self)
+    if _current_plan.races:
+        _current_plan.bonus_probs = bonus_distributions(self.sampler, logits, spec_decode_metadata.bonus_logits_indices,
+                                                        self.input_batch.sampling_metadata)
     try:
         return _vllm_sample(self, logits, spec_decode_metadata)
     finally:
@@ -535,6 +728,7 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: install the hook (idempotent; vLLM calls it once
     in each of its processes)."""
     global _vllm_rejection_sample, _vllm_sample, _vllm_validate_spec_decode, _vllm_sample_draft_tokens
+    global _vllm_set_inputs_first_pass, _vllm_propose_draft_token_ids
     from vllm.platforms import current_platform
     from vllm.sampling_params import SamplingParams
     from vllm.v1.sample import rejection_sampler
@@ -555,6 +749,12 @@ def register() -> None:
     if SpecDecodeBaseProposer._sample_draft_tokens is not sample_draft_tokens:
         _vllm_sample_draft_tokens = SpecDecodeBaseProposer._sample_draft_tokens
         SpecDecodeBaseProposer._sample_draft_tokens = sample_draft_tokens
+    if SpecDecodeBaseProposer.set_inputs_first_pass is not set_inputs_first_pass:
+        _vllm_set_inputs_first_pass = SpecDecodeBaseProposer.set_inputs_first_pass
+        SpecDecodeBaseProposer.set_inputs_first_pass = set_inputs_first_pass
+    if GPUModelRunner.propose_draft_token_ids is not propose_draft_token_ids:
+        _vllm_propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
+        GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
 
 
 @contextlib.contextmanager
@@ -573,19 +773,25 @@ __all__ = [
     "ACCEPTANCE_COUNTS",
     "AcceptanceCounts",
     "BatchPlan",
+    "GREEDY_EPS",
     "RULE_KEY",
     "VLLM_RULE",
     "VLLM_RULES",
     "apply_plan",
+    "bonus_distributions",
     "expand_batch_to_tokens",
     "plan_for_runner",
     "plan_scope",
+    "propose_draft_token_ids",
+    "race_drafts",
+    "race_row_key",
     "register",
     "rejection_sample",
     "request_row_id",
     "rule_from_args",
     "sample_draft_tokens",
     "seed_generator",
+    "set_inputs_first_pass",
     "validate_request",
     "verify_requests",
 ]

@@ -218,6 +218,14 @@ def test_race_drafts_leave_greedy_and_other_rules_requests_alone():
     want = race_sample(torch.softmax(logits[[0, 4]] / temperature[[0, 4], None], dim=-1), keys)
     assert got[[0, 4]].tolist() == want.tolist()
     assert race_drafts(given, logits, None, plan, plan.positions) is given  # a batch of greedy requests
+    # where the proposer hands on its distributions, a seeded request under another quickdraft rule
+    # draws its draft by its key too (an exact draw from q); without them, or unseeded, it keeps vLLM's
+    plan.seeded = [False, True, False, True, False, False]
+    assert race_drafts(given, logits, temperature, plan, plan.positions)[[1, 3]].tolist() == [1, 3]
+    keyed = race_drafts(given, logits, temperature, plan, plan.positions, probabilistic=True)
+    want = race_sample(torch.softmax(logits[[1]], dim=-1), race_keys(seed_words([0]), plan.row_ids[[1]],
+                                                                    plan.positions[[1]]))
+    assert keyed[1].item() == want.item() and keyed[3].item() == 3  # request 3 has vLLM's rule
 
 
 def test_verify_requests_races_ersds_bonus_from_the_bonus_distribution():
@@ -327,8 +335,14 @@ def _synthetic_drafts(n, k, seed):
 
 def _fit(tokens):
     """Chi-square p-value of ``tokens [N]`` against TARGET."""
-    counts = np.bincount(tokens.numpy(), minlength=len(TARGET))
-    return stats.chisquare(counts, TARGET.numpy() * counts.sum()).pvalue
+    return _fit_to(tokens, TARGET)
+
+
+def _fit_to(tokens, dist):
+    """Chi-square p-value of ``tokens [N]`` against the distribution ``dist [V]``."""
+    counts = np.bincount(tokens.numpy(), minlength=len(dist))
+    expected = dist.double().numpy()
+    return stats.chisquare(counts, expected / expected.sum() * counts.sum()).pvalue
 
 
 @needs_vllm
@@ -340,6 +354,26 @@ def test_lossless_rules_fit_the_target_inside_vllms_sampler(vllm_sampler, rule):
     out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, 1.0, [rule] * n, seed=0)
     # the first emitted token of every request, and the second where the first draft was accepted
     # (the target is the same at every position, so both are distributed as TARGET)
+    assert _fit(out[:, 0]) > 1e-3
+    second = out[:, 1][out[:, 1] >= 0]
+    assert len(second) > 1_000 and _fit(second) > 1e-3
+
+
+@needs_vllm
+def test_lossless_rule_with_keyed_drafts_fits_the_target_inside_vllms_sampler(vllm_sampler):
+    # seeded requests draft by their race keys (an exact draw from DRAFT): speculative sampling on
+    # those drafts is still lossless
+    n, k = 20_000, 2
+    plan = BatchPlan(rules=[Lossless()] * n, positions=torch.full((n,), 10), row_ids=torch.zeros(n, dtype=torch.long),
+                     row_seeds=seed_words(range(n)), seeded=[True] * n)
+    draft_logits = DRAFT.log().expand(n, -1)
+    ones = torch.ones(n)
+    draft_ids = torch.stack([race_drafts(draft_logits.argmax(-1), draft_logits, ones, plan, plan.positions + j,
+                                         probabilistic=True) for j in range(k)], dim=1)
+    assert _fit_to(draft_ids[:, 0], DRAFT) > 1e-3  # the keyed drafts are draws from DRAFT
+    draft_probs = DRAFT.expand(n, k, -1).contiguous()
+    target_logits = TARGET.log().expand(n, k + 1, -1).contiguous()
+    out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, 1.0, plan.rules, seed=0, plan=plan)
     assert _fit(out[:, 0]) > 1e-3
     second = out[:, 1][out[:, 1] >= 0]
     assert len(second) > 1_000 and _fit(second) > 1e-3
@@ -375,15 +409,10 @@ def test_ersd_race_drafts_and_raced_bonus_fit_the_tempered_target_inside_vllms_s
     out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, temperature, plan.rules, seed=0,
                             plan=plan, bonus_probs="sampler")
 
-    def fit(tokens, dist):
-        counts = np.bincount(tokens.numpy(), minlength=len(dist))
-        expected = dist.double().numpy()
-        return stats.chisquare(counts, expected / expected.sum() * counts.sum()).pvalue
-
     # every emitted position, bonus included (the third, after two accepted drafts), fits the tempered target
     for j in range(k + 1):
         emitted = out[:, j][out[:, j] >= 0]
-        assert len(emitted) > 2_000 and fit(emitted, tempered) > 1e-3, j
+        assert len(emitted) > 2_000 and _fit_to(emitted, tempered) > 1e-3, j
     # the race couples the drafts to the target: more accepted than drafts drawn independently would be
     # (sum_v p_v q_v per position)
     independent = float((tempered * draft_probs[0, 0]).sum())
@@ -393,7 +422,7 @@ def test_ersd_race_drafts_and_raced_bonus_fit_the_tempered_target_inside_vllms_s
     out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, temperature, plan.rules, seed=0,
                             plan=plan, bonus_probs=TARGET.expand(n, -1))
     bonus = out[:, k][out[:, k] >= 0]
-    assert fit(bonus, tempered) < 1e-6
+    assert _fit_to(bonus, tempered) < 1e-6
 
 
 @needs_vllm

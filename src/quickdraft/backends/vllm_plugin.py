@@ -185,6 +185,8 @@ class BatchPlan:
         ``[B, V]`` the target's processed distribution at each request's bonus position, as vLLM's
         sampler draws the bonus token from it, where the batch holds an ERSD request at a
         temperature above 0 (:func:`bonus_distributions`); else ``None``.
+    seeded:
+        ``[B]`` whether each request has a seed of its own (``None``: none has).
     """
 
     rules: list[Rule | None]
@@ -192,11 +194,20 @@ class BatchPlan:
     row_ids: torch.Tensor
     row_seeds: torch.Tensor | None = None
     bonus_probs: torch.Tensor | None = None
+    seeded: list[bool] | None = None
 
     @property
     def races(self) -> bool:
         """Whether a request of the batch verifies with ERSD."""
         return any(isinstance(rule, ExponentialRace) for rule in self.rules)
+
+    def keyed_drafts(self, probabilistic: bool) -> list[bool]:
+        """Which requests draft by their race key (:func:`race_drafts`): ERSD's, and, where the
+        proposer hands on its distributions (``probabilistic``), every seeded request with a
+        quickdraft rule."""
+        seeded = self.seeded or [False] * len(self.rules)
+        return [isinstance(rule, ExponentialRace) or (probabilistic and own_seed and rule is not None)
+                for rule, own_seed in zip(self.rules, seeded)]
 
 
 @dataclass
@@ -425,17 +436,24 @@ def race_drafts(
     temperature: torch.Tensor | None,  # [n]
     plan: BatchPlan,
     positions: torch.Tensor,  # [n]
+    probabilistic: bool = False,
 ) -> torch.Tensor:
     """The draft tokens ``[n]`` with each ERSD request's at a temperature above 0 replaced by the
     draft's race winner argmin_v E_v / q(v), ``q`` the softmax of the draft logits at the request's
     temperature and ``E`` the arrival times of the request's race key (:func:`race_row_key`) at
     ``positions`` (the number of tokens before the drafted one): the same arrival times the
     target's winner at that position is drawn with, so a draft that agrees with the target
-    proposes the token the target emits (ERSD's coupling). Other requests keep ``draft_ids``.
+    proposes the token the target emits (ERSD's coupling).
+
+    With ``probabilistic`` (the proposer hands the accept step ``q``), a seeded request under any
+    other quickdraft rule drafts its race winner too: an exact draw from ``q`` like vLLM's, but
+    keyed by the request's seed instead of the engine's global generator, so that its drafts, and
+    with its own generator for the accept step its text, repeat with its seed. Other requests keep
+    ``draft_ids``.
     """
     if temperature is None:  # a batch of greedy requests: argmax drafts are the race's at temperature 0
         return draft_ids
-    raced = torch.tensor([isinstance(rule, ExponentialRace) for rule in plan.rules], dtype=torch.bool)
+    raced = torch.tensor(plan.keyed_drafts(probabilistic), dtype=torch.bool)
     raced = raced.to(temperature.device) & (temperature > GREEDY_EPS)
     rows = raced.nonzero().flatten()
     if rows.numel() == 0:
@@ -554,8 +572,9 @@ def sample_draft_tokens(
     (its greedy output is unchanged: vLLM's greedy accept step ignores the draft distribution),
     with the temperature-1 softmax beside it.
 
-    In a batch with an ERSD request, the ERSD requests at a temperature above 0 draft their race
-    winners instead (:func:`race_drafts`); the distributions handed on are vLLM's.
+    In a batch with an ERSD request or a seeded request under a quickdraft rule, those requests at
+    a temperature above 0 draft their race winners instead (:func:`race_drafts`); the distributions
+    handed on are vLLM's.
     """
     positions = _race_positions(self, hidden_states.shape[0])
     if positions is None:
@@ -577,7 +596,8 @@ def sample_draft_tokens(
 
         draft_ids, draft_probs = compute_probs_and_sample_next_token(logits.clone(), sampling_metadata,
                                                                      getattr(self, "use_fp64_gumbel", False))
-    draft_ids = race_drafts(draft_ids, logits, sampling_metadata.temperature, _draft_plan, positions)
+    draft_ids = race_drafts(draft_ids, logits, sampling_metadata.temperature, _draft_plan, positions,
+                            probabilistic=getattr(self, "_enable_probabilistic_draft_probs", False))
     self._quickdraft_draft_index += 1
     return draft_ids, draft_probs
 
@@ -594,7 +614,7 @@ def _race_positions(proposer, n: int) -> torch.Tensor | None:
     if plan is None or first is None or _custom_vocab(proposer):
         return None
     if first.shape[0] != n or len(plan.rules) != n:
-        _warn_once(f"ersd drafts by vLLM's sampling: {n} drafting rows for {len(plan.rules)} requests")
+        _warn_once(f"drafts by vLLM's sampling, not by race keys: {n} drafting rows for {len(plan.rules)} requests")
         return None
     return first + proposer._quickdraft_draft_index
 
@@ -614,10 +634,10 @@ def set_inputs_first_pass(self, *args, **kwargs):
 
 def propose_draft_token_ids(self, *args, **kwargs):
     """``GPUModelRunner.propose_draft_token_ids`` with the batch's plan in place while the proposer
-    drafts, so that ERSD's requests draft by the race (:func:`race_drafts`)."""
+    drafts, so that ERSD's and seeded requests draft by their race keys (:func:`race_drafts`)."""
     global _draft_plan
     plan = plan_for_runner(self)
-    _draft_plan = plan if plan.races else None
+    _draft_plan = plan if any(plan.keyed_drafts(True)) else None
     try:
         return _vllm_propose_draft_token_ids(self, *args, **kwargs)
     finally:
@@ -661,10 +681,12 @@ def plan_for_runner(runner) -> BatchPlan:
             _warn_once(f"request {req_id}: {error}; verifying it with vLLM's rule")
             rules.append(None)
     positions = torch.as_tensor(batch.num_tokens_no_spec[: len(req_ids)], dtype=torch.long)
-    keys = [race_row_key(rule, req_id, _request_seed(runner, req_id)) for rule, req_id in zip(rules, req_ids)]
+    seeds = [_request_seed(runner, req_id) for req_id in req_ids]
+    keys = [race_row_key(rule, req_id, seed) for rule, req_id, seed in zip(rules, req_ids, seeds)]
     row_seeds = seed_words([seed for seed, _ in keys]) if keys else torch.zeros(0, dtype=torch.long)
     row_ids = torch.tensor([row_id for _, row_id in keys], dtype=torch.long)
-    return BatchPlan(rules=rules, positions=positions, row_ids=row_ids, row_seeds=row_seeds)
+    return BatchPlan(rules=rules, positions=positions, row_ids=row_ids, row_seeds=row_seeds,
+                     seeded=[seed is not None for seed in seeds])
 
 
 def _request_seed(runner, req_id: str) -> int | None:

@@ -495,18 +495,28 @@ def _save_tiny_pair(root) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-@needs_vllm
-def test_end_to_end_lossless_rule_leaves_greedy_output_unchanged(tmp_path, monkeypatch):
-    # the engine core in this process (no spawn): smaller, faster, and its counters readable here
+#: prompts (token ids) and engine settings of the end-to-end tests on the tiny pair
+TINY_PROMPTS = [{"prompt_token_ids": [5, 17, 42, 7]}, {"prompt_token_ids": [100, 3, 9]}, {"prompt_token_ids": [11, 250]}]
+TINY_ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+
+
+@pytest.fixture
+def tiny_pair(tmp_path, monkeypatch):
+    """(target, draft) paths of the tiny pair, for an engine core in this process (no spawn:
+    smaller, faster, and its counters readable here)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    return _save_tiny_pair(str(tmp_path))
+
+
+@needs_vllm
+def test_end_to_end_lossless_rule_leaves_greedy_output_unchanged(tiny_pair):
     from vllm import LLM, SamplingParams
 
-    target, draft = _save_tiny_pair(str(tmp_path))
-    prompts = [{"prompt_token_ids": [5, 17, 42, 7]}, {"prompt_token_ids": [100, 3, 9]},
-               {"prompt_token_ids": [11, 250]}]
+    target, draft = tiny_pair
+    prompts = TINY_PROMPTS
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    common = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+    common = TINY_ENGINE
 
     llm = LLM(target, **common)
     plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
@@ -529,15 +539,12 @@ def test_end_to_end_lossless_rule_leaves_greedy_output_unchanged(tmp_path, monke
 
 
 @needs_vllm
-def test_end_to_end_ersd_drafts_by_the_race_and_keys_seeded_requests_by_their_seed(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+def test_end_to_end_ersd_drafts_by_the_race_and_keys_seeded_requests_by_their_seed(tiny_pair):
     from vllm import LLM, SamplingParams
 
-    target, draft = _save_tiny_pair(str(tmp_path))
-    prompts = [{"prompt_token_ids": [5, 17, 42, 7]}, {"prompt_token_ids": [100, 3, 9]},
-               {"prompt_token_ids": [11, 250]}]
-    common = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+    target, draft = tiny_pair
+    prompts = TINY_PROMPTS
+    common = TINY_ENGINE
 
     def run(llm, seeds, batch):
         params = [SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=seed,

@@ -83,7 +83,7 @@ import json
 import logging
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -496,12 +496,8 @@ def bonus_distributions(sampler, logits: torch.Tensor, bonus_logits_indices: tor
 # the patches
 # ---------------------------------------------------------------------------------------------
 
-_vllm_rejection_sample = None  # vLLM's accept step, kept by register()
-_vllm_sample = None  # GPUModelRunner._sample, kept by register()
-_vllm_validate_spec_decode = None  # SamplingParams._validate_spec_decode, kept by register()
-_vllm_sample_draft_tokens = None  # SpecDecodeBaseProposer._sample_draft_tokens, kept by register()
-_vllm_set_inputs_first_pass = None  # SpecDecodeBaseProposer.set_inputs_first_pass, kept by register()
-_vllm_propose_draft_token_ids = None  # GPUModelRunner.propose_draft_token_ids, kept by register()
+# vLLM's functions that the patches replace, kept by register() under the replacement's name
+_vllm: dict[str, Callable] = {}
 
 # the plan of the batch whose drafts are being proposed, where it has an ERSD request
 _draft_plan: BatchPlan | None = None
@@ -524,7 +520,7 @@ def rejection_sample(
     plan = _current_plan
     use_vllm = plan is None or len(plan.rules) != len(num_draft_tokens) or any(r is None for r in plan.rules)
     if use_vllm:
-        output = _vllm_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+        output = _vllm["rejection_sample"](draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
                                         draft_probs, target_logits, bonus_token_ids, sampling_metadata, **kwargs)
     else:
         output = torch.full((len(num_draft_tokens), max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
@@ -547,7 +543,7 @@ def validate_request(self, speculative_config) -> None:
     OpenAI server's, ``LLM``'s), so a request naming an unknown rule or field is refused there with
     vLLM's ``VLLMValidationError`` (HTTP 400 from the server, raised by ``LLM.generate``) instead
     of being verified with vLLM's rule."""
-    _vllm_validate_spec_decode(self, speculative_config)
+    _vllm["validate_request"](self, speculative_config)
     try:
         rule_from_args(self.extra_args)
     except QuickdraftError as error:
@@ -580,7 +576,7 @@ def sample_draft_tokens(
     if positions is None:
         if (not getattr(self, "_enable_probabilistic_draft_probs", False) or not sampling_metadata.all_greedy
                 or _custom_vocab(self)):
-            return _vllm_sample_draft_tokens(self, hidden_states, sampling_metadata)
+            return _vllm["sample_draft_tokens"](self, hidden_states, sampling_metadata)
         logits = self.model.compute_logits(hidden_states)  # [n, V]
         return logits.argmax(dim=-1), logits.softmax(dim=-1, dtype=torch.float32)
 
@@ -623,7 +619,7 @@ def set_inputs_first_pass(self, *args, **kwargs):
     """``SpecDecodeBaseProposer.set_inputs_first_pass`` that also keeps, for ERSD, the race position
     of each request's first draft token: one past the position of the hidden state it is drawn
     from (the draft's later tokens follow one position each)."""
-    result = _vllm_set_inputs_first_pass(self, *args, **kwargs)
+    result = _vllm["set_inputs_first_pass"](self, *args, **kwargs)
     self._quickdraft_race_positions = None
     if _draft_plan is not None and not getattr(self, "uses_mrope", False) and not getattr(self, "parallel_drafting", False):
         token_indices_to_sample = result[1]
@@ -639,7 +635,7 @@ def propose_draft_token_ids(self, *args, **kwargs):
     plan = plan_for_runner(self)
     _draft_plan = plan if any(plan.keyed_drafts(True)) else None
     try:
-        return _vllm_propose_draft_token_ids(self, *args, **kwargs)
+        return _vllm["propose_draft_token_ids"](self, *args, **kwargs)
     finally:
         _draft_plan = None
 
@@ -712,13 +708,13 @@ def _sample(self, logits, spec_decode_metadata):
     """``GPUModelRunner._sample`` with the batch's :class:`BatchPlan` in place while it runs."""
     global _current_plan
     if spec_decode_metadata is None:
-        return _vllm_sample(self, logits, spec_decode_metadata)
+        return _vllm["_sample"](self, logits, spec_decode_metadata)
     _current_plan = plan_for_runner(self)
     if _current_plan.races:
         _current_plan.bonus_probs = bonus_distributions(self.sampler, logits, spec_decode_metadata.bonus_logits_indices,
                                                         self.input_batch.sampling_metadata)
     try:
-        return _vllm_sample(self, logits, spec_decode_metadata)
+        return _vllm["_sample"](self, logits, spec_decode_metadata)
     finally:
         _current_plan = None
 
@@ -749,8 +745,6 @@ def expand_batch_to_tokens(
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: install the hook (idempotent; vLLM calls it once
     in each of its processes)."""
-    global _vllm_rejection_sample, _vllm_sample, _vllm_validate_spec_decode, _vllm_sample_draft_tokens
-    global _vllm_set_inputs_first_pass, _vllm_propose_draft_token_ids
     from vllm.platforms import current_platform
     from vllm.sampling_params import SamplingParams
     from vllm.v1.sample import rejection_sampler
@@ -759,24 +753,18 @@ def register() -> None:
 
     if current_platform.is_cpu():
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-    if rejection_sampler.rejection_sample is not rejection_sample:
-        _vllm_rejection_sample = rejection_sampler.rejection_sample
-        rejection_sampler.rejection_sample = rejection_sample
-    if GPUModelRunner._sample is not _sample:
-        _vllm_sample = GPUModelRunner._sample
-        GPUModelRunner._sample = _sample
-    if SamplingParams._validate_spec_decode is not validate_request:
-        _vllm_validate_spec_decode = SamplingParams._validate_spec_decode
-        SamplingParams._validate_spec_decode = validate_request
-    if SpecDecodeBaseProposer._sample_draft_tokens is not sample_draft_tokens:
-        _vllm_sample_draft_tokens = SpecDecodeBaseProposer._sample_draft_tokens
-        SpecDecodeBaseProposer._sample_draft_tokens = sample_draft_tokens
-    if SpecDecodeBaseProposer.set_inputs_first_pass is not set_inputs_first_pass:
-        _vllm_set_inputs_first_pass = SpecDecodeBaseProposer.set_inputs_first_pass
-        SpecDecodeBaseProposer.set_inputs_first_pass = set_inputs_first_pass
-    if GPUModelRunner.propose_draft_token_ids is not propose_draft_token_ids:
-        _vllm_propose_draft_token_ids = GPUModelRunner.propose_draft_token_ids
-        GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    for owner, name, replacement in (
+        (rejection_sampler, "rejection_sample", rejection_sample),
+        (GPUModelRunner, "_sample", _sample),
+        (GPUModelRunner, "propose_draft_token_ids", propose_draft_token_ids),
+        (SamplingParams, "_validate_spec_decode", validate_request),
+        (SpecDecodeBaseProposer, "_sample_draft_tokens", sample_draft_tokens),
+        (SpecDecodeBaseProposer, "set_inputs_first_pass", set_inputs_first_pass),
+    ):
+        current = getattr(owner, name)
+        if current is not replacement:
+            _vllm[replacement.__name__] = current
+            setattr(owner, name, replacement)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,8 +21,8 @@ from scipy import stats
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.backends import vllm_plugin
-from quickdraft.backends.vllm_plugin import (BatchPlan, plan_scope, race_drafts, race_row_key, request_row_id,
-                                             rule_from_args, verify_requests)
+from quickdraft.backends.vllm_plugin import (BatchPlan, plan_for_runner, plan_scope, race_drafts, race_row_key,
+                                             request_row_id, rule_from_args, verify_requests)
 from quickdraft.verification.race import race_keys, race_sample, seed_words
 from quickdraft.verification.rules import ExponentialRace, Fuzzy, Lossless, Typical
 from quickdraft.verification.verify import verify_chain
@@ -162,6 +163,58 @@ def test_race_row_key_is_the_request_seed_alone_when_it_has_one():
     assert race_row_key(ersd, "cmpl-a", None) == (3, request_row_id("cmpl-a"))
     assert race_row_key(ersd, "cmpl-a", None) != race_row_key(ersd, "cmpl-b", None)
     assert race_row_key(None, "cmpl-a", None) == (0, request_row_id("cmpl-a"))
+
+
+def _fake_runner(requests, async_scheduling=False):
+    """A stand-in for vLLM's ``GPUModelRunner`` with what :func:`plan_for_runner` reads; ``requests``
+    maps request ids to (``extra_args``, ``seed``)."""
+    ids = list(requests)
+    return SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=ids, num_tokens_no_spec=np.arange(10, 10 + len(ids))),
+        requests={rid: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=args, seed=seed))
+                  for rid, (args, seed) in requests.items()},
+        vllm_config=SimpleNamespace(additional_config=None, model_config=SimpleNamespace(seed=0)),
+        use_async_scheduling=async_scheduling)
+
+
+def test_plan_for_runner_keys_seeded_requests_by_their_seed_and_keeps_ersd_off_async_scheduling():
+    ersd = {"quickdraft_rule": "ersd", "quickdraft_seed": 3}
+    requests = {"a": (ersd, 11), "b": (ersd, None), "c": ({"quickdraft_rule": "lossless"}, 5), "d": (None, None)}
+    plan = plan_for_runner(_fake_runner(requests))
+    assert plan.rules == [ExponentialRace(seed=3), ExponentialRace(seed=3), Lossless(), None]
+    assert plan.positions.tolist() == [10, 11, 12, 13]
+    assert plan.row_seeds.tolist() == seed_words([11, 3, 5, 0]).tolist()
+    assert plan.row_ids.tolist() == [0, request_row_id("b"), 0, request_row_id("d")]
+    assert plan.seeded == [True, False, True, False] and plan.races
+    assert plan.keyed_drafts(probabilistic=True) == [True, True, True, False]
+    assert plan.keyed_drafts(probabilistic=False) == [True, True, False, False]
+    # vLLM's asynchronous scheduling updates the token counts a step late: ERSD's requests get vLLM's
+    # rule there, the others keep theirs
+    plan = plan_for_runner(_fake_runner(requests, async_scheduling=True))
+    assert plan.rules == [None, None, Lossless(), None] and not plan.races
+
+
+@pytest.mark.parametrize("layout, keyed", [
+    (dict(needs_extra_input_slots=True, pass_hidden_states_to_model=False), True),  # the draft-model proposer
+    (dict(needs_extra_input_slots=False, pass_hidden_states_to_model=True), False),  # EAGLE: hidden states shifted
+    (dict(needs_extra_input_slots=True, pass_hidden_states_to_model=False, parallel_drafting=True), False),
+    (dict(needs_extra_input_slots=True, pass_hidden_states_to_model=False, uses_mrope=True), False),
+])
+def test_race_positions_come_from_the_draft_model_proposers_layout_only(monkeypatch, layout, keyed):
+    positions = torch.tensor([0, 1, 2, 3, 4, 7, 8, 20, 21, 22])  # the proposer's input positions
+    sample_at = torch.tensor([4, 6, 9])  # each request's last input slot (positions 4, 8, 22)
+    monkeypatch.setitem(vllm_plugin._vllm, "set_inputs_first_pass", lambda self, *a, **k: (10, sample_at, None))
+    plan = BatchPlan(rules=[ExponentialRace()] * 3, positions=torch.zeros(3), row_ids=torch.arange(3))
+    monkeypatch.setattr(vllm_plugin, "_draft_plan", plan)
+    proposer = SimpleNamespace(positions=positions, **layout)
+    assert vllm_plugin.set_inputs_first_pass(proposer)[1] is sample_at
+    if keyed:
+        assert vllm_plugin._race_positions(proposer, 3).tolist() == [5, 9, 23]
+        proposer._quickdraft_draft_index = 2  # the third draft token
+        assert vllm_plugin._race_positions(proposer, 3).tolist() == [7, 11, 25]
+        assert vllm_plugin._race_positions(proposer, 2) is None  # rows that are not the batch's requests
+    else:
+        assert vllm_plugin._race_positions(proposer, 3) is None
 
 
 def _race_batch(n, k, vocab, seed, temperature=1.0):
@@ -352,8 +405,12 @@ def test_lossless_rules_fit_the_target_inside_vllms_sampler(vllm_sampler, rule):
     n, k = 20_000, 2
     draft_ids, draft_probs, target_logits = _synthetic_drafts(n, k, seed=0)
     out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, 1.0, [rule] * n, seed=0)
-    # the first emitted token of every request, and the second where the first draft was accepted
-    # (the target is the same at every position, so both are distributed as TARGET)
+    _assert_first_two_fit(out)
+
+
+def _assert_first_two_fit(out):
+    """The first emitted token of every request, and the second where the first draft was accepted,
+    fit TARGET (the target is the same at every position, so both are distributed as TARGET)."""
     assert _fit(out[:, 0]) > 1e-3
     second = out[:, 1][out[:, 1] >= 0]
     assert len(second) > 1_000 and _fit(second) > 1e-3
@@ -374,9 +431,38 @@ def test_lossless_rule_with_keyed_drafts_fits_the_target_inside_vllms_sampler(vl
     draft_probs = DRAFT.expand(n, k, -1).contiguous()
     target_logits = TARGET.log().expand(n, k + 1, -1).contiguous()
     out = _run_vllm_sampler(vllm_sampler, draft_ids, target_logits, draft_probs, 1.0, plan.rules, seed=0, plan=plan)
-    assert _fit(out[:, 0]) > 1e-3
-    second = out[:, 1][out[:, 1] >= 0]
-    assert len(second) > 1_000 and _fit(second) > 1e-3
+    _assert_first_two_fit(out)
+
+
+@needs_vllm
+def test_bonus_distributions_are_what_vllms_sampler_draws_the_bonus_from(vllm_sampler):
+    from dataclasses import replace
+
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    b, vocab = 6, 40
+    gen = torch.Generator().manual_seed(7)
+    logits = 3.0 * torch.randn(b, vocab, generator=gen)
+    sampling = SamplingMetadata(
+        temperature=torch.tensor([0.7, 1.0, 1.3, 0.5, 0.9, 1.1]), all_greedy=False, all_random=True,
+        top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 0.95, 1.0]), top_k=torch.tensor([vocab, 10, vocab, 5, vocab, 20]),
+        generators={}, max_num_logprobs=-1, no_penalties=False,
+        prompt_token_ids=torch.randint(vocab, (b, 4), generator=gen), frequency_penalties=torch.full((b,), 0.3),
+        presence_penalties=torch.full((b,), 0.2), repetition_penalties=torch.full((b,), 1.2),
+        output_token_ids=[[1, 2, 3], [4], [5, 5], [], [6, 7], [8]], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors(), spec_token_ids=[[9], [], [10, 11], [], [], [12]])
+    # the logits vLLM's sampler draws the bonus token from (its "processed_logits" logprobs mode)
+    processed = Sampler(logprobs_mode="processed_logits")(logits.clone(), sampling, predict_bonus_token=True)
+    want = torch.softmax(processed.logprobs_tensors.logprobs, dim=-1)
+    got = vllm_plugin.bonus_distributions(Sampler(), logits, torch.arange(b), replace(sampling, max_num_logprobs=None))
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (got == 0).any()  # top-k / top-p cut some tokens
+    # control: without the penalties (the spec tokens included) the distributions differ
+    unpenalised = vllm_plugin.bonus_distributions(Sampler(), logits, torch.arange(b),
+                                                  replace(sampling, max_num_logprobs=None, no_penalties=True))
+    assert not torch.allclose(unpenalised, want, atol=1e-3)
 
 
 @needs_vllm

@@ -437,6 +437,7 @@ def race_drafts(
     plan: BatchPlan,
     positions: torch.Tensor,  # [n]
     probabilistic: bool = False,
+    draft_probs: torch.Tensor | None = None,  # [n, V]
 ) -> torch.Tensor:
     """The draft tokens ``[n]`` with each ERSD request's at a temperature above 0 replaced by the
     draft's race winner argmin_v E_v / q(v), ``q`` the softmax of the draft logits at the request's
@@ -449,7 +450,8 @@ def race_drafts(
     other quickdraft rule drafts its race winner too: an exact draw from ``q`` like vLLM's, but
     keyed by the request's seed instead of the engine's global generator, so that its drafts, and
     with its own generator for the accept step its text, repeat with its seed. Other requests keep
-    ``draft_ids``.
+    ``draft_ids``. ``draft_probs``: the distributions the proposer hands the accept step, raced
+    as they are where given (so that a keyed draft is drawn from exactly that ``q``).
     """
     if temperature is None:  # a batch of greedy requests: argmax drafts are the race's at temperature 0
         return draft_ids
@@ -459,7 +461,10 @@ def race_drafts(
     if rows.numel() == 0:
         return draft_ids
     device = logits.device
-    probs = torch.softmax(logits[rows].float() / temperature[rows].to(device).float()[:, None], dim=-1)
+    if draft_probs is not None:
+        probs = draft_probs[rows].float()
+    else:
+        probs = torch.softmax(logits[rows].float() / temperature[rows].to(device).float()[:, None], dim=-1)
     if plan.row_seeds is None:
         seeds = seed_words([getattr(rule, "seed", 0) for rule in plan.rules]).to(device)[rows]
     else:
@@ -593,7 +598,8 @@ def sample_draft_tokens(
         draft_ids, draft_probs = compute_probs_and_sample_next_token(logits.clone(), sampling_metadata,
                                                                      getattr(self, "use_fp64_gumbel", False))
     draft_ids = race_drafts(draft_ids, logits, sampling_metadata.temperature, _draft_plan, positions,
-                            probabilistic=getattr(self, "_enable_probabilistic_draft_probs", False))
+                            probabilistic=getattr(self, "_enable_probabilistic_draft_probs", False),
+                            draft_probs=None if sampling_metadata.all_greedy else draft_probs)
     self._quickdraft_draft_index += 1
     return draft_ids, draft_probs
 
@@ -603,8 +609,9 @@ def _custom_vocab(proposer) -> bool:
 
 
 def _race_positions(proposer, n: int) -> torch.Tensor | None:
-    """``[n]`` race positions of the tokens the proposer drafts now, where the batch has an ERSD
-    request and the proposer drafts one token per request per pass; else ``None`` (vLLM's drafts)."""
+    """``[n]`` race positions of the tokens the proposer drafts now, where the batch has a request
+    with keyed drafts and the proposer lays out its inputs as the draft-model proposer does; else
+    ``None`` (vLLM's drafts)."""
     first = getattr(proposer, "_quickdraft_race_positions", None)
     plan = _draft_plan
     if plan is None or first is None or _custom_vocab(proposer):
@@ -616,16 +623,33 @@ def _race_positions(proposer, n: int) -> torch.Tensor | None:
 
 
 def set_inputs_first_pass(self, *args, **kwargs):
-    """``SpecDecodeBaseProposer.set_inputs_first_pass`` that also keeps, for ERSD, the race position
-    of each request's first draft token: one past the position of the hidden state it is drawn
-    from (the draft's later tokens follow one position each)."""
+    """``SpecDecodeBaseProposer.set_inputs_first_pass`` that also keeps, for keyed drafts, the race
+    position of each request's first draft token: one past the position of the input token whose
+    hidden state it is drawn from (the draft's later tokens follow one position each). Only for
+    the draft-model proposer's layout (:func:`_races_positions`); other proposers keep vLLM's draws."""
     result = _vllm["set_inputs_first_pass"](self, *args, **kwargs)
     self._quickdraft_race_positions = None
-    if _draft_plan is not None and not getattr(self, "uses_mrope", False) and not getattr(self, "parallel_drafting", False):
+    if _draft_plan is None:
+        return result
+    if _races_positions(self):
         token_indices_to_sample = result[1]
         self._quickdraft_race_positions = self.positions[token_indices_to_sample].long() + 1
         self._quickdraft_draft_index = 0
+    else:
+        _warn_once(f"drafts by vLLM's sampling, not by race keys: the {getattr(self, 'method', '?')!r} proposer "
+                   "lays its inputs out otherwise than the draft-model proposer")
     return result
+
+
+def _races_positions(proposer) -> bool:
+    """Whether the proposer lays out its inputs as the draft-model proposer does, for which the race
+    positions are known: each token at its own position (no hidden-state shift as in EAGLE), one
+    draft position per pass, positions advancing by one per pass, plain (not M-RoPE) positions."""
+    return (getattr(proposer, "needs_extra_input_slots", False)
+            and not getattr(proposer, "pass_hidden_states_to_model", False)
+            and not getattr(proposer, "parallel_drafting", False)
+            and not getattr(proposer, "constant_draft_positions", False)
+            and not getattr(proposer, "uses_mrope", False))
 
 
 def propose_draft_token_ids(self, *args, **kwargs):
@@ -676,6 +700,11 @@ def plan_for_runner(runner) -> BatchPlan:
         except QuickdraftError as error:
             _warn_once(f"request {req_id}: {error}; verifying it with vLLM's rule")
             rules.append(None)
+    if getattr(runner, "use_async_scheduling", False) and any(isinstance(r, ExponentialRace) for r in rules):
+        _warn_once("ersd needs synchronous scheduling (its race is keyed by each token's position, which "
+                   "vLLM's asynchronous scheduling updates a step late): verifying its requests with vLLM's "
+                   "rule; start the engine with async_scheduling=False (--no-async-scheduling) for ersd")
+        rules = [None if isinstance(r, ExponentialRace) else r for r in rules]
     positions = torch.as_tensor(batch.num_tokens_no_spec[: len(req_ids)], dtype=torch.long)
     seeds = [_request_seed(runner, req_id) for req_id in req_ids]
     keys = [race_row_key(rule, req_id, seed) for rule, req_id, seed in zip(rules, req_ids, seeds)]

@@ -626,12 +626,12 @@ def set_inputs_first_pass(self, *args, **kwargs):
     """``SpecDecodeBaseProposer.set_inputs_first_pass`` that also keeps, for keyed drafts, the race
     position of each request's first draft token: one past the position of the input token whose
     hidden state it is drawn from (the draft's later tokens follow one position each). Only for
-    the draft-model proposer's layout (:func:`_races_positions`); other proposers keep vLLM's draws."""
+    the draft-model proposer's layout (:func:`_draft_model_layout`); other proposers keep vLLM's draws."""
     result = _vllm["set_inputs_first_pass"](self, *args, **kwargs)
     self._quickdraft_race_positions = None
     if _draft_plan is None:
         return result
-    if _races_positions(self):
+    if _draft_model_layout(self):
         token_indices_to_sample = result[1]
         self._quickdraft_race_positions = self.positions[token_indices_to_sample].long() + 1
         self._quickdraft_draft_index = 0
@@ -641,7 +641,7 @@ def set_inputs_first_pass(self, *args, **kwargs):
     return result
 
 
-def _races_positions(proposer) -> bool:
+def _draft_model_layout(proposer) -> bool:
     """Whether the proposer lays out its inputs as the draft-model proposer does, for which the race
     positions are known: each token at its own position (no hidden-state shift as in EAGLE), one
     draft position per pass, positions advancing by one per pass, plain (not M-RoPE) positions."""

@@ -194,6 +194,24 @@ def test_plan_for_runner_keys_seeded_requests_by_their_seed_and_keeps_ersd_off_a
     assert plan.rules == [None, None, Lossless(), None] and not plan.races
 
 
+def test_drafting_reuses_the_plan_of_its_steps_verification(monkeypatch):
+    drafting = []
+    monkeypatch.setitem(vllm_plugin._vllm, "propose_draft_token_ids",
+                        lambda self, *a, **k: drafting.append(vllm_plugin._draft_plan))
+    ersd = {"quickdraft_rule": "ersd"}
+    runner = _fake_runner({"a": (ersd, 1), "b": (ersd, None)})
+    verified = plan_for_runner(runner)
+    runner._quickdraft_verified_plan = (["a", "b"], verified)
+    vllm_plugin.propose_draft_token_ids(runner)
+    assert drafting[-1] is verified and runner._quickdraft_verified_plan is None
+    # another batch of requests (or none verified this step): a plan of its own
+    runner._quickdraft_verified_plan = (["a"], verified)
+    vllm_plugin.propose_draft_token_ids(runner)
+    assert drafting[-1] is not verified and drafting[-1].rules == verified.rules
+    assert drafting[-1].row_ids.tolist() == verified.row_ids.tolist()
+    assert vllm_plugin._draft_plan is None
+
+
 @pytest.mark.parametrize("layout, keyed", [
     (dict(needs_extra_input_slots=True, pass_hidden_states_to_model=False), True),  # the draft-model proposer
     (dict(needs_extra_input_slots=False, pass_hidden_states_to_model=True), False),  # EAGLE: hidden states shifted

@@ -578,17 +578,14 @@ def sample_draft_tokens(
     handed on are vLLM's.
     """
     positions = _race_positions(self, hidden_states.shape[0])
-    if positions is None:
-        if (not getattr(self, "_enable_probabilistic_draft_probs", False) or not sampling_metadata.all_greedy
-                or _custom_vocab(self)):
-            return _vllm["sample_draft_tokens"](self, hidden_states, sampling_metadata)
-        logits = self.model.compute_logits(hidden_states)  # [n, V]
-        return logits.argmax(dim=-1), logits.softmax(dim=-1, dtype=torch.float32)
+    probabilistic = getattr(self, "_enable_probabilistic_draft_probs", False)
+    if positions is None and (not probabilistic or not sampling_metadata.all_greedy or _custom_vocab(self)):
+        return _vllm["sample_draft_tokens"](self, hidden_states, sampling_metadata)
 
-    # a batch with an ERSD request: vLLM's drafts and distributions from one logits computation,
-    # then the ERSD requests' tokens by the race
+    # vLLM's drafts and distributions from one logits computation (for a batch of greedy requests
+    # with the softmax kept), then the keyed requests' tokens by the race
     logits = self.model.compute_logits(hidden_states)  # [n, V]
-    if not getattr(self, "_enable_probabilistic_draft_probs", False):
+    if not probabilistic:
         draft_ids, draft_probs = logits.argmax(dim=-1), None
     elif sampling_metadata.all_greedy:
         draft_ids, draft_probs = logits.argmax(dim=-1), logits.softmax(dim=-1, dtype=torch.float32)
@@ -597,10 +594,11 @@ def sample_draft_tokens(
 
         draft_ids, draft_probs = compute_probs_and_sample_next_token(logits.clone(), sampling_metadata,
                                                                      getattr(self, "use_fp64_gumbel", False))
-    draft_ids = race_drafts(draft_ids, logits, sampling_metadata.temperature, _draft_plan, positions,
-                            probabilistic=getattr(self, "_enable_probabilistic_draft_probs", False),
-                            draft_probs=None if sampling_metadata.all_greedy else draft_probs)
-    self._quickdraft_draft_index += 1
+    if positions is not None:
+        draft_ids = race_drafts(draft_ids, logits, sampling_metadata.temperature, _draft_plan, positions,
+                                probabilistic=probabilistic,
+                                draft_probs=None if sampling_metadata.all_greedy else draft_probs)
+        self._quickdraft_draft_index += 1
     return draft_ids, draft_probs
 
 
@@ -654,9 +652,16 @@ def _draft_model_layout(proposer) -> bool:
 
 def propose_draft_token_ids(self, *args, **kwargs):
     """``GPUModelRunner.propose_draft_token_ids`` with the batch's plan in place while the proposer
-    drafts, so that ERSD's and seeded requests draft by their race keys (:func:`race_drafts`)."""
+    drafts, so that ERSD's and seeded requests draft by their race keys (:func:`race_drafts`): the
+    plan the step's verification built (:func:`_sample`) where it was for the same requests, else a
+    new one (a step after a prefill verifies nothing)."""
     global _draft_plan
-    plan = plan_for_runner(self)
+    verified = getattr(self, "_quickdraft_verified_plan", None)  # (request ids, plan) of this step's `_sample`
+    self._quickdraft_verified_plan = None
+    # rules and race keys depend on the requests alone: reuse the verification's plan for the same requests
+    plan = verified[1] if verified is not None and verified[0] == list(self.input_batch.req_ids) else None
+    if plan is None:
+        plan = plan_for_runner(self)
     _draft_plan = plan if any(plan.keyed_drafts(True)) else None
     try:
         return _vllm["propose_draft_token_ids"](self, *args, **kwargs)
@@ -688,9 +693,11 @@ def plan_for_runner(runner) -> BatchPlan:
     req_ids: Sequence[str] = batch.req_ids
     default = _engine_rule(runner)
     rules: list[Rule | None] = []
+    seeds: list[int | None] = []
     for req_id in req_ids:
         state = runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
+        seeds.append(getattr(params, "seed", None))
         extra = getattr(params, "extra_args", None) or {}
         if RULE_KEY not in extra:
             rules.append(default)
@@ -706,17 +713,11 @@ def plan_for_runner(runner) -> BatchPlan:
                    "rule; start the engine with async_scheduling=False (--no-async-scheduling) for ersd")
         rules = [None if isinstance(r, ExponentialRace) else r for r in rules]
     positions = torch.as_tensor(batch.num_tokens_no_spec[: len(req_ids)], dtype=torch.long)
-    seeds = [_request_seed(runner, req_id) for req_id in req_ids]
     keys = [race_row_key(rule, req_id, seed) for rule, req_id, seed in zip(rules, req_ids, seeds)]
     row_seeds = seed_words([seed for seed, _ in keys]) if keys else torch.zeros(0, dtype=torch.long)
     row_ids = torch.tensor([row_id for _, row_id in keys], dtype=torch.long)
     return BatchPlan(rules=rules, positions=positions, row_ids=row_ids, row_seeds=row_seeds,
                      seeded=[seed is not None for seed in seeds])
-
-
-def _request_seed(runner, req_id: str) -> int | None:
-    params = getattr(runner.requests.get(req_id), "sampling_params", None)
-    return getattr(params, "seed", None)
 
 
 def _engine_rule(runner) -> Rule | None:
@@ -739,6 +740,7 @@ def _sample(self, logits, spec_decode_metadata):
     if spec_decode_metadata is None:
         return _vllm["_sample"](self, logits, spec_decode_metadata)
     _current_plan = plan_for_runner(self)
+    self._quickdraft_verified_plan = (list(self.input_batch.req_ids), _current_plan)
     if _current_plan.races:
         _current_plan.bonus_probs = bonus_distributions(self.sampler, logits, spec_decode_metadata.bonus_logits_indices,
                                                         self.input_batch.sampling_metadata)

@@ -451,7 +451,10 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
     ratios and acceptance. Keys ``<config>@T=<t>`` (all prompts) and ``<config>@<dataset>@T=<t>``.
     Each ratio to an anchor (``x_llamacpp_anchor``, ``x_<GenAI sd config>``) comes with
     ``ci95_x_…``: its 95% paired bootstrap interval over the prompts (:func:`quickdraft.evaluation.rates.rate_ratio`;
-    ``NaN`` with fewer than 10 prompts, :data:`quickdraft.evaluation.rates.MIN_PROMPTS`)."""
+    ``NaN`` with fewer than 10 prompts, :data:`quickdraft.evaluation.rates.MIN_PROMPTS`). The point
+    ratio ``x_…`` divides each config's rate over its own prompts; where one of the two failed on
+    some prompts, the interval covers only the prompts both completed, and ``paired_x_…`` (the ratio
+    over those prompts, the interval's own point) and ``paired_prompts_x_…`` (how many) say so."""
     summary = {}
     datasets = list(dict.fromkeys(r.get("dataset", "humaneval") for r in rows))
     groups = [(None, t) for t in temperatures]
@@ -471,16 +474,22 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
             seconds = sum(r["seconds"] for r in sel)
             return sum(r["new_tokens"] for r in sel) / seconds if seconds else float("nan")
 
-        def interval(config: str, other: str) -> list[float]:
-            """The paired bootstrap interval of ``config``'s rate over ``other``'s (prompts both completed)."""
+        def compare(entry: dict, config: str, other: str, name: str) -> None:
+            """``ci95_<name>``: the paired bootstrap interval of ``config``'s rate over ``other``'s on the
+            prompts both completed; ``paired_<name>`` and ``paired_prompts_<name>`` where those are
+            fewer than either config's own prompts (the point ratio ``<name>`` then covers more)."""
             runs = {c: {r["prompt"]: r for r in rows_t if r["config"] == c and "error" not in r} for c in (config, other)}
             both = [p for p in complete if p in runs[config] and p in runs[other]]
             a, b = [runs[config][p] for p in both], [runs[other][p] for p in both]
             if not sum(x["new_tokens"] for x in b):  # no prompt in common, or the anchor made nothing
-                return [float("nan"), float("nan")]
+                entry[f"ci95_{name}"] = [float("nan"), float("nan")]
+                return
             r = rate_ratio([x["new_tokens"] for x in a], [x["seconds"] for x in a],
                            [x["new_tokens"] for x in b], [x["seconds"] for x in b])
-            return [r.low, r.high]
+            entry[f"ci95_{name}"] = [r.low, r.high]
+            if len(both) < max(len(runs[config]), len(runs[other])):
+                entry[f"paired_{name}"] = r.ratio
+                entry[f"paired_prompts_{name}"] = len(both)
 
         anchor = tps("llamacpp-anchor") if "llamacpp-anchor" in configs else None
         genai_sd = [c for c in configs if c.startswith("ovgenai-") and parse_config(c)[1] == "sd"]
@@ -498,14 +507,14 @@ def summarize(rows: list[dict], configs: list[str], temperatures: list[float]) -
             if anchor:
                 entry["x_llamacpp_anchor"] = entry["tokens_per_second"] / anchor
                 if config != "llamacpp-anchor":
-                    entry["ci95_x_llamacpp_anchor"] = interval(config, "llamacpp-anchor")
+                    compare(entry, config, "llamacpp-anchor", "x_llamacpp_anchor")
             if sel and all("engine_seconds" in r for r in sel):  # the engine's share of the time
                 entry["engine_share"] = sum(r["engine_seconds"] for r in sel) / sum(r["seconds"] for r in sel)
                 entry["engine_ms_per_step"] = 1000 * sum(r["engine_seconds"] for r in sel) / sum(r["steps"] for r in sel)
             for other in genai_sd:  # OpenVINO GenAI's own speculative decoding, the bar to beat
                 entry[f"x_{other}"] = entry["tokens_per_second"] / tps(other)
                 if config != other:
-                    entry[f"ci95_x_{other}"] = interval(config, other)
+                    compare(entry, config, other, f"x_{other}")
             key, method, _ = parse_config(config)
             if method == "amusd":  # against sequential sd on the same weights
                 for other in configs:

@@ -110,6 +110,13 @@ def test_bench_perf_summary_gives_each_anchor_ratio_its_interval(bench_perf):
     # the point ratio stays each config's rate over its own prompts, as in every committed summary
     assert ours["x_ovgenai-int8-sd"] == pytest.approx((tokens[:11].sum() / sa[:11].sum()) / (tokens.sum() / sb.sum()))
     assert ours["ci95_x_ovgenai-int8-sd"] == pytest.approx([expect.low, expect.high])
+    # ... and the interval's own point and prompt count sit beside it
+    assert ours["paired_x_ovgenai-int8-sd"] == pytest.approx(expect.ratio)
+    assert ours["paired_prompts_x_ovgenai-int8-sd"] == 11
+    assert ours["paired_x_ovgenai-int8-sd"] != pytest.approx(ours["x_ovgenai-int8-sd"])
+    # where both completed every prompt, the point ratio is the interval's own: nothing to add
+    assert "paired_x_ovgenai-int8-sd" not in summary["llamacpp-anchor@T=0.0"]
+    assert "paired_x_llamacpp_anchor" not in summary["ovgenai-int8-sd@T=0.0"]
     assert ours["ci95_x_llamacpp_anchor"][1] < 1.0  # half the anchor's rate: far below 1
     assert "ci95_x_llamacpp_anchor" not in summary["llamacpp-anchor@T=0.0"]
     assert "ci95_x_ovgenai-int8-sd" not in summary["ovgenai-int8-sd@T=0.0"]

@@ -67,6 +67,7 @@ class GenAIGraph:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="target", choices=["target", "draft"], help="which model of the pair")
     parser.add_argument("--weights", default="int8", choices=["int8", "int4"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=16)
@@ -80,8 +81,9 @@ def main() -> None:
     from quickdraft.backends.openvino import export_for
     from quickdraft.backends.openvino.runner import OpenVINORunner
 
-    ours = OpenVINORunner(export_for("target", args.weights), "target", n_threads=args.threads)
-    genai = GenAIGraph(export_for("target", args.weights, layout="genai"), dict(ours.plugin_config))
+    ours = OpenVINORunner(export_for(args.model, args.weights), args.model, n_threads=args.threads,
+                          drafting=args.model == "draft")
+    genai = GenAIGraph(export_for(args.model, args.weights, layout="genai"), dict(ours.plugin_config))
     gen = torch.Generator().manual_seed(args.seed)
     samples = {"engine": {m: [] for m in BLOCKS}, "genai": {m: [] for m in BLOCKS}}
     for rnd in range(args.rounds + 1):
@@ -108,7 +110,7 @@ def main() -> None:
     for name, row in medians.items():
         print(name, " ".join(f"m={m}: {ms:.1f} ms" for m, ms in row.items()))
     result = {"command": "python benchmarks/studies/genai_layout_forward.py " + " ".join(sys.argv[1:]),
-              "machine": _lscpu(), "openvino": ov.__version__, "weights": args.weights, "threads": args.threads,
+              "machine": _lscpu(), "openvino": ov.__version__, "model": args.model, "weights": args.weights, "threads": args.threads,
               "plugin_config": {k: str(v) for k, v in ours.plugin_config.items()}, "prefill": args.prefill,
               "rounds": args.rounds, "median_ms": medians,
               "engine_over_genai": {str(m): medians["engine"][str(m)] / medians["genai"][str(m)] for m in BLOCKS},

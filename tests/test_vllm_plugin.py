@@ -179,19 +179,22 @@ def _fake_runner(requests, async_scheduling=False):
 
 def test_plan_for_runner_keys_seeded_requests_by_their_seed_and_keeps_ersd_off_async_scheduling():
     ersd = {"quickdraft_rule": "ersd", "quickdraft_seed": 3}
-    requests = {"a": (ersd, 11), "b": (ersd, None), "c": ({"quickdraft_rule": "lossless"}, 5), "d": (None, None)}
+    requests = {"a": (ersd, 11), "b": (ersd, None), "c": ({"quickdraft_rule": "lossless"}, 5), "d": (None, None),
+                "e": (None, 8)}
     plan = plan_for_runner(_fake_runner(requests))
-    assert plan.rules == [ExponentialRace(seed=3), ExponentialRace(seed=3), Lossless(), None]
-    assert plan.positions.tolist() == [10, 11, 12, 13]
-    assert plan.row_seeds.tolist() == seed_words([11, 3, 5, 0]).tolist()
-    assert plan.row_ids.tolist() == [0, request_row_id("b"), 0, request_row_id("d")]
-    assert plan.seeded == [True, False, True, False] and plan.races
-    assert plan.keyed_drafts(probabilistic=True) == [True, True, True, False]
-    assert plan.keyed_drafts(probabilistic=False) == [True, True, False, False]
+    assert plan.rules == [ExponentialRace(seed=3), ExponentialRace(seed=3), Lossless(), None, None]
+    assert plan.positions.tolist() == [10, 11, 12, 13, 14]
+    assert plan.row_seeds.tolist() == seed_words([11, 3, 5, 0, 8]).tolist()
+    assert plan.row_ids.tolist() == [0, request_row_id("b"), 0, request_row_id("d"), 0]
+    assert plan.seeded == [True, False, True, False, True] and plan.races
+    # keyed drafts: ERSD's always; a seeded request's under any rule (vLLM's own too, "e") where the
+    # proposer's drafts are draws; unseeded requests under other rules ("d") keep vLLM's draws
+    assert plan.keyed_drafts(probabilistic=True) == [True, True, True, False, True]
+    assert plan.keyed_drafts(probabilistic=False) == [True, True, False, False, False]
     # vLLM's asynchronous scheduling updates the token counts a step late: ERSD's requests get vLLM's
     # rule there, the others keep theirs
     plan = plan_for_runner(_fake_runner(requests, async_scheduling=True))
-    assert plan.rules == [None, None, Lossless(), None] and not plan.races
+    assert plan.rules == [None, None, Lossless(), None, None] and not plan.races
 
 
 def test_drafting_reuses_the_plan_of_its_steps_verification(monkeypatch):
@@ -289,14 +292,17 @@ def test_race_drafts_leave_greedy_and_other_rules_requests_alone():
     want = race_sample(torch.softmax(logits[[0, 4]] / temperature[[0, 4], None], dim=-1), keys)
     assert got[[0, 4]].tolist() == want.tolist()
     assert race_drafts(given, logits, None, plan, plan.positions) is given  # a batch of greedy requests
-    # where the proposer hands on its distributions, a seeded request under another quickdraft rule
-    # draws its draft by its key too (an exact draw from q); without them, or unseeded, it keeps vLLM's
+    # where the proposer hands on its distributions, a seeded request under another rule (a quickdraft
+    # rule, 1, or vLLM's own, 3) draws its draft by its key too (an exact draw from q); without
+    # them, or unseeded, it keeps vLLM's
     plan.seeded = [False, True, False, True, False, False]
     assert race_drafts(given, logits, temperature, plan, plan.positions)[[1, 3]].tolist() == [1, 3]
     keyed = race_drafts(given, logits, temperature, plan, plan.positions, probabilistic=True)
-    want = race_sample(torch.softmax(logits[[1]], dim=-1), race_keys(seed_words([0]), plan.row_ids[[1]],
-                                                                    plan.positions[[1]]))
-    assert keyed[1].item() == want.item() and keyed[3].item() == 3  # request 3 has vLLM's rule
+    want = race_sample(torch.softmax(logits[[1, 3]], dim=-1), race_keys(seed_words([0, 0]), plan.row_ids[[1, 3]],
+                                                                       plan.positions[[1, 3]]))
+    assert keyed[[1, 3]].tolist() == want.tolist()
+    plan.seeded = [False] * n
+    assert race_drafts(given, logits, temperature, plan, plan.positions, probabilistic=True)[[1, 3]].tolist() == [1, 3]
 
 
 def test_verify_requests_races_ersds_bonus_from_the_bonus_distribution():
@@ -435,11 +441,12 @@ def _assert_first_two_fit(out):
 
 
 @needs_vllm
-def test_lossless_rule_with_keyed_drafts_fits_the_target_inside_vllms_sampler(vllm_sampler):
+@pytest.mark.parametrize("rule", [Lossless(), None], ids=["lossless", "vllm"])
+def test_lossless_rule_with_keyed_drafts_fits_the_target_inside_vllms_sampler(vllm_sampler, rule):
     # seeded requests draft by their race keys (an exact draw from DRAFT): speculative sampling on
-    # those drafts is still lossless
+    # those drafts, ours or vLLM's, is still lossless
     n, k = 20_000, 2
-    plan = BatchPlan(rules=[Lossless()] * n, positions=torch.full((n,), 10), row_ids=torch.zeros(n, dtype=torch.long),
+    plan = BatchPlan(rules=[rule] * n, positions=torch.full((n,), 10), row_ids=torch.zeros(n, dtype=torch.long),
                      row_seeds=seed_words(range(n)), seeded=[True] * n)
     draft_logits = DRAFT.log().expand(n, -1)
     ones = torch.ones(n)

@@ -170,11 +170,12 @@ def test_fsd_greedy_request_sees_the_drafts_distribution(server, client):
     assert drafted_1 > drafted_0 and accepted_1 - accepted_0 == drafted_1 - drafted_0
 
 
-@pytest.mark.parametrize("rule", ["ersd", "lossless"])
+@pytest.mark.parametrize("rule", ["ersd", "lossless", "vllm"])
 def test_seeded_request_gives_the_same_text_alone_and_beside_others(server, client, rule):
     # ERSD: every token the race winner of the request's seed; lossless: drafts keyed by the seed
-    # and the accept step on the request's own generator
-    xargs = {"quickdraft_rule": rule}
+    # and the accept step on the request's own generator; vLLM's own rule (no quickdraft arguments):
+    # drafts keyed by the seed, vLLM's accept step on the request's generator
+    xargs = None if rule == "vllm" else {"quickdraft_rule": rule}
     alone = _complete(client, PROMPTS[0], 1.0, xargs, seed=5)
     with ThreadPoolExecutor(max_workers=3) as pool:
         seeded = pool.submit(_complete, client, PROMPTS[0], 1.0, xargs, seed=5)

@@ -203,10 +203,10 @@ class BatchPlan:
 
     def keyed_drafts(self, probabilistic: bool) -> list[bool]:
         """Which requests draft by their race key (:func:`race_drafts`): ERSD's, and, where the
-        proposer hands on its distributions (``probabilistic``), every seeded request with a
-        quickdraft rule."""
+        proposer hands on its distributions (``probabilistic``), every seeded request, under a
+        quickdraft rule or vLLM's own (vLLM's draft sampler ignores seeds)."""
         seeded = self.seeded or [False] * len(self.rules)
-        return [isinstance(rule, ExponentialRace) or (probabilistic and own_seed and rule is not None)
+        return [isinstance(rule, ExponentialRace) or (probabilistic and own_seed)
                 for rule, own_seed in zip(self.rules, seeded)]
 
 
@@ -447,10 +447,10 @@ def race_drafts(
     proposes the token the target emits (ERSD's coupling).
 
     With ``probabilistic`` (the proposer hands the accept step ``q``), a seeded request under any
-    other quickdraft rule drafts its race winner too: an exact draw from ``q`` like vLLM's, but
-    keyed by the request's seed instead of the engine's global generator, so that its drafts, and
-    with its own generator for the accept step its text, repeat with its seed. Other requests keep
-    ``draft_ids``. ``draft_probs``: the distributions the proposer hands the accept step, raced
+    other rule, vLLM's own included, drafts its race winner too: an exact draw from ``q`` like
+    vLLM's, but keyed by the request's seed instead of the engine's global generator, so that its
+    drafts, and with its own generator for the accept step its text, repeat with its seed. Other
+    requests keep ``draft_ids``. ``draft_probs``: the distributions the proposer hands the accept step, raced
     as they are where given (so that a keyed draft is drawn from exactly that ``q``).
     """
     if temperature is None:  # a batch of greedy requests: argmax drafts are the race's at temperature 0
@@ -573,7 +573,7 @@ def sample_draft_tokens(
     (its greedy output is unchanged: vLLM's greedy accept step ignores the draft distribution),
     with the temperature-1 softmax beside it.
 
-    In a batch with an ERSD request or a seeded request under a quickdraft rule, those requests at
+    In a batch with an ERSD request or a seeded request (under any rule), those requests at
     a temperature above 0 draft their race winners instead (:func:`race_drafts`); the distributions
     handed on are vLLM's.
     """

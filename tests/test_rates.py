@@ -117,6 +117,17 @@ def test_bench_perf_summary_gives_each_anchor_ratio_its_interval(bench_perf):
     # where both completed every prompt, the point ratio is the interval's own: nothing to add
     assert "paired_x_ovgenai-int8-sd" not in summary["llamacpp-anchor@T=0.0"]
     assert "paired_x_llamacpp_anchor" not in summary["ovgenai-int8-sd@T=0.0"]
+    # the anchor failed on one prompt and ours on another: the interval and its point cover the 10 both
+    # completed, on both sides of the pair
+    rows[4 * 3 + 1] = dict(rows[4 * 3 + 1], error="boom")  # GenAI on HumanEval/4
+    summary = bench_perf.summarize(rows, configs, [0.0])
+    ours = summary["openvino-int8/int8-sd@T=0.0"]
+    both = [i for i in range(12) if i not in (4, 11)]
+    expect = rate_ratio(tokens[both], sa[both], tokens[both], sb[both])
+    assert ours["paired_prompts_x_ovgenai-int8-sd"] == 10
+    assert ours["paired_x_ovgenai-int8-sd"] == pytest.approx(expect.ratio)
+    assert ours["ci95_x_ovgenai-int8-sd"] == pytest.approx([expect.low, expect.high])
+    assert summary["llamacpp-anchor@T=0.0"]["paired_prompts_x_ovgenai-int8-sd"] == 11
     assert ours["ci95_x_llamacpp_anchor"][1] < 1.0  # half the anchor's rate: far below 1
     assert "ci95_x_llamacpp_anchor" not in summary["llamacpp-anchor@T=0.0"]
     assert "ci95_x_ovgenai-int8-sd" not in summary["ovgenai-int8-sd@T=0.0"]

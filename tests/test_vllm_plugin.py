@@ -192,9 +192,11 @@ def test_plan_for_runner_keys_seeded_requests_by_their_seed_and_keeps_ersd_off_a
     assert plan.keyed_drafts(probabilistic=True) == [True, True, True, False, True]
     assert plan.keyed_drafts(probabilistic=False) == [True, True, False, False, False]
     # vLLM's asynchronous scheduling updates the token counts a step late: ERSD's requests get vLLM's
-    # rule there, the others keep theirs
+    # rule there, the others keep theirs; requests under vLLM's rule keep vLLM's draft draws there
+    # (seeded "a" now under vLLM's rule, and "e"), a seeded one under a quickdraft rule is keyed ("c")
     plan = plan_for_runner(_fake_runner(requests, async_scheduling=True))
     assert plan.rules == [None, None, Lossless(), None, None] and not plan.races
+    assert plan.keyed_drafts(probabilistic=True) == [False, False, True, False, False]
 
 
 def test_drafting_reuses_the_plan_of_its_steps_verification(monkeypatch):
@@ -213,6 +215,20 @@ def test_drafting_reuses_the_plan_of_its_steps_verification(monkeypatch):
     assert drafting[-1] is not verified and drafting[-1].rules == verified.rules
     assert drafting[-1].row_ids.tolist() == verified.row_ids.tolist()
     assert vllm_plugin._draft_plan is None
+
+
+@pytest.mark.parametrize("probabilistic", [True, False])
+def test_drafting_keys_seeded_requests_only_where_the_proposers_drafts_are_draws(monkeypatch, probabilistic):
+    drafting = []
+    monkeypatch.setitem(vllm_plugin._vllm, "propose_draft_token_ids",
+                        lambda self, *a, **k: drafting.append(vllm_plugin._draft_plan))
+    runner = _fake_runner({"a": ({"quickdraft_rule": "lossless"}, 1), "b": (None, 2)})
+    runner.drafter = SimpleNamespace(_enable_probabilistic_draft_probs=probabilistic)
+    vllm_plugin.propose_draft_token_ids(runner)
+    # argmax drafts repeat by themselves: no plan, vLLM's drafting path untouched
+    assert (drafting[-1] is not None) == probabilistic
+    if probabilistic:
+        assert drafting[-1].keyed_drafts(True) == [True, True]
 
 
 @pytest.mark.parametrize("layout, keyed", [
@@ -279,7 +295,7 @@ def test_race_drafts_are_the_drafts_race_winners_under_the_targets_keys():
     assert other.num_accepted[: n // 2].float().mean() < 1.0
 
 
-def test_race_drafts_leave_greedy_and_other_rules_requests_alone():
+def test_race_drafts_leave_greedy_and_unseeded_other_rules_requests_alone():
     n, vocab = 6, 30
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(2))
     given = torch.arange(n)
@@ -300,7 +316,10 @@ def test_race_drafts_leave_greedy_and_other_rules_requests_alone():
     keyed = race_drafts(given, logits, temperature, plan, plan.positions, probabilistic=True)
     want = race_sample(torch.softmax(logits[[1, 3]], dim=-1), race_keys(seed_words([0, 0]), plan.row_ids[[1, 3]],
                                                                        plan.positions[[1, 3]]))
-    assert keyed[[1, 3]].tolist() == want.tolist()
+    assert keyed[[1, 3]].tolist() == want.tolist() and want.tolist() != [1, 3]
+    greedy = temperature.clone()
+    greedy[3] = 0.0  # a seeded greedy request keeps its argmax draft
+    assert race_drafts(given, logits, greedy, plan, plan.positions, probabilistic=True)[3].item() == 3
     plan.seeded = [False] * n
     assert race_drafts(given, logits, temperature, plan, plan.positions, probabilistic=True)[[1, 3]].tolist() == [1, 3]
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +78,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    load_before = os.getloadavg()
     import openvino as ov
 
     from quickdraft.backends.openvino import export_for
@@ -110,6 +114,7 @@ def main() -> None:
     for name, row in medians.items():
         print(name, " ".join(f"m={m}: {ms:.1f} ms" for m, ms in row.items()))
     result = {"command": "python benchmarks/studies/genai_layout_forward.py " + " ".join(sys.argv[1:]),
+              "started_utc": started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
               "machine": _lscpu(), "openvino": ov.__version__, "model": args.model, "weights": args.weights, "threads": args.threads,
               "plugin_config": {k: str(v) for k, v in ours.plugin_config.items()}, "prefill": args.prefill,
               "rounds": args.rounds, "median_ms": medians,

@@ -2,14 +2,14 @@
 
 The speculative-decoding ceiling on llama.cpp is set by what a forward over m new tokens costs
 against a one-token forward (``benchmarks/studies/speedup_ceiling.py``). The default pair ships as
-Q4_K_M; llama.cpp multiplies blocks of tokens with other kernels for other formats (repacked
-Q4_0 and Q8_0 rows, llamafile's tinyBLAS for Q8_0/Q4_0), so a target in one of those formats
-could verify a block for less. This study re-quantises the target's GGUF with llama.cpp's own
+Q4_K_M; llama.cpp's CPU matrix kernels differ by weight format, so a target in another format
+might verify a block for less. This study re-quantises the target's GGUF with llama.cpp's own
 ``llama_model_quantize`` (from the Q4_K_M file: the weights are those values rounded again, so
 Q8_0 is the Q4_K_M model to within 8-bit rounding and Q4_0 a coarser copy), then times forwards
 over m = 1, 2, 3, 5, 9, 17 new tokens after a prefill of ``--prefill`` random tokens, every format
 and block in turn for ``--rounds`` rounds (the first round warms up and is dropped), each block
-rolled back after it. The draft's Q4_K_M one-token forward is timed the same way.
+rolled back after it. The draft's Q4_K_M one-token forward is timed the same way. The JSON
+records the machine, the load average before and after, and when the run started.
 
 The results file has ``forward_seconds`` keyed like ``bench_perf.py``'s
 (``llamacpp-<format>/target/m=<m>``, medians; the draft under ``llamacpp-q4_k_m/draft/m=1``), so
@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -59,11 +61,13 @@ def main() -> None:
     parser.add_argument("--draft", default="draft")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill", type=int, default=180)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     from quickdraft.backends.llamacpp import LlamaGGUF, gguf_path_for, import_llama_cpp
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    load_before = os.getloadavg()
     lib = import_llama_cpp()
     source = gguf_path_for(args.target)
     draft = gguf_path_for(args.draft)
@@ -89,7 +93,7 @@ def main() -> None:
                     start = time.perf_counter()
                     model.decode(tokens, args.prefill, [True] * m)
                     samples.setdefault(f"{key}/m={m}", []).append(time.perf_counter() - start)
-                    lib.llama_memory_seq_rm(model.memory, 0, args.prefill, -1)
+                    model.remove_from(args.prefill)
         repack = {key: model.repack for key, model in models.items()}
         for model in models.values():
             model.close()
@@ -100,7 +104,8 @@ def main() -> None:
             f"m={m}: {1e3 * c:6.1f} ms ({c / row[1]:.2f}x)" for m, c in row.items()))
     print(f"draft q4_k_m one token: {1e3 * forward['llamacpp-q4_k_m/draft/m=1']:.1f} ms")
     Path(args.out).write_text(json.dumps({
-        "command": f"python benchmarks/studies/llamacpp_formats.py --out {args.out}",
+        "command": "python benchmarks/studies/llamacpp_formats.py " + " ".join(sys.argv[1:]),
+        "started_utc": started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "machine": {**_lscpu(), "threads": args.threads},
         "llama_cpp_python": getattr(lib, "__version__", None), "prefill": args.prefill, "rounds": args.rounds,
         "file_bytes": sizes, "quantize_seconds": quantize_seconds, "repack": repack,

@@ -186,7 +186,9 @@ class BatchPlan:
         sampler draws the bonus token from it, where the batch holds an ERSD request at a
         temperature above 0 (:func:`bonus_distributions`); else ``None``.
     seeded:
-        ``[B]`` whether each request has a seed of its own (``None``: none has).
+        ``[B]`` whether each request has a seed of its own that its drafts may be keyed by
+        (``None``: none has; :func:`plan_for_runner` leaves out requests under vLLM's own rule
+        while vLLM schedules asynchronously).
     """
 
     rules: list[Rule | None]
@@ -633,7 +635,7 @@ def set_inputs_first_pass(self, *args, **kwargs):
         token_indices_to_sample = result[1]
         self._quickdraft_race_positions = self.positions[token_indices_to_sample].long() + 1
         self._quickdraft_draft_index = 0
-    else:
+    elif any(rule is not None for rule in _draft_plan.rules):  # said only to requests that asked for quickdraft
         _warn_once(f"drafts by vLLM's sampling, not by race keys: the {getattr(self, 'method', '?')!r} proposer "
                    "lays its inputs out otherwise than the draft-model proposer")
     return result
@@ -662,7 +664,9 @@ def propose_draft_token_ids(self, *args, **kwargs):
     plan = verified[1] if verified is not None and verified[0] == list(self.input_batch.req_ids) else None
     if plan is None:
         plan = plan_for_runner(self)
-    _draft_plan = plan if any(plan.keyed_drafts(True)) else None
+    # whether the proposer hands the accept step its distributions (its drafts are draws from them)
+    probabilistic = getattr(getattr(self, "drafter", None), "_enable_probabilistic_draft_probs", False)
+    _draft_plan = plan if any(plan.keyed_drafts(probabilistic)) else None
     try:
         return _vllm["propose_draft_token_ids"](self, *args, **kwargs)
     finally:
@@ -716,8 +720,11 @@ def plan_for_runner(runner) -> BatchPlan:
     keys = [race_row_key(rule, req_id, seed) for rule, req_id, seed in zip(rules, req_ids, seeds)]
     row_seeds = seed_words([seed for seed, _ in keys]) if keys else torch.zeros(0, dtype=torch.long)
     row_ids = torch.tensor([row_id for _, row_id in keys], dtype=torch.long)
-    return BatchPlan(rules=rules, positions=positions, row_ids=row_ids, row_seeds=row_seeds,
-                     seeded=[seed is not None for seed in seeds])
+    # a request under vLLM's own rule keeps vLLM's draft draws while vLLM schedules asynchronously
+    # (its GPU default): keying them would add a host sync to each drafting pass of that pipeline
+    asynchronous = getattr(runner, "use_async_scheduling", False)
+    seeded = [seed is not None and not (asynchronous and rule is None) for rule, seed in zip(rules, seeds)]
+    return BatchPlan(rules=rules, positions=positions, row_ids=row_ids, row_seeds=row_seeds, seeded=seeded)
 
 
 def _engine_rule(runner) -> Rule | None:

@@ -19,14 +19,13 @@ import json
 import os
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from openvino_compression import _lscpu  # noqa: E402  (the studies' CPU record)
+from openvino_compression import _lscpu, _run_clock  # noqa: E402  (the studies' CPU and run record)
 
 BLOCKS = (1, 3, 5)
 
@@ -78,8 +77,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    load_before = os.getloadavg()
+    clock = _run_clock()
     import openvino as ov
 
     from quickdraft.backends.openvino import export_for
@@ -114,7 +112,7 @@ def main() -> None:
     for name, row in medians.items():
         print(name, " ".join(f"m={m}: {ms:.1f} ms" for m, ms in row.items()))
     result = {"command": "python benchmarks/studies/genai_layout_forward.py " + " ".join(sys.argv[1:]),
-              "started_utc": started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+              **clock, "loadavg_after": os.getloadavg(),
               "machine": _lscpu(), "openvino": ov.__version__, "model": args.model, "weights": args.weights, "threads": args.threads,
               "plugin_config": {k: str(v) for k, v in ours.plugin_config.items()}, "prefill": args.prefill,
               "rounds": args.rounds, "median_ms": medians,

@@ -30,13 +30,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from openvino_compression import _lscpu  # noqa: E402  (the studies' CPU record)
+from openvino_compression import _lscpu, _run_clock  # noqa: E402  (the studies' CPU and run record)
 
 BLOCKS = (1, 2, 3, 5, 9, 17)
 #: re-quantised formats: name -> the ``LLAMA_FTYPE_MOSTLY_*`` constant's name
@@ -66,8 +65,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from quickdraft.backends.llamacpp import LlamaGGUF, gguf_path_for, import_llama_cpp
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    load_before = os.getloadavg()
+    clock = _run_clock()
     lib = import_llama_cpp()
     source = gguf_path_for(args.target)
     draft = gguf_path_for(args.draft)
@@ -105,7 +103,7 @@ def main() -> None:
     print(f"draft q4_k_m one token: {1e3 * forward['llamacpp-q4_k_m/draft/m=1']:.1f} ms")
     Path(args.out).write_text(json.dumps({
         "command": "python benchmarks/studies/llamacpp_formats.py " + " ".join(sys.argv[1:]),
-        "started_utc": started, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        **clock, "loadavg_after": os.getloadavg(),
         "machine": {**_lscpu(), "threads": args.threads},
         "llama_cpp_python": getattr(lib, "__version__", None), "prefill": args.prefill, "rounds": args.rounds,
         "file_bytes": sizes, "quantize_seconds": quantize_seconds, "repack": repack,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,14 @@ def _lscpu() -> dict:
     flags = fields.get("Flags", "").split()
     return {"model": fields.get("Model name", "").strip(),
             "isa": sorted(f for f in flags if f.startswith(("avx", "amx")))}
+
+
+def _run_clock() -> dict:
+    """When a study starts and the load average then; a study adds ``loadavg_after`` to its JSON."""
+    from datetime import datetime, timezone
+
+    return {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "loadavg_before": os.getloadavg()}
 
 
 def make_variants(role: str, work: Path, draft_vocab: int | None, only: list[str] | None = None) -> dict[str, Path]:

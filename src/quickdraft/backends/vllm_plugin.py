@@ -711,7 +711,8 @@ def plan_for_runner(runner) -> BatchPlan:
         except QuickdraftError as error:
             _warn_once(f"request {req_id}: {error}; verifying it with vLLM's rule")
             rules.append(None)
-    if getattr(runner, "use_async_scheduling", False) and any(isinstance(r, ExponentialRace) for r in rules):
+    asynchronous = getattr(runner, "use_async_scheduling", False)
+    if asynchronous and any(isinstance(r, ExponentialRace) for r in rules):
         _warn_once("ersd needs synchronous scheduling (its race is keyed by each token's position, which "
                    "vLLM's asynchronous scheduling updates a step late): verifying its requests with vLLM's "
                    "rule; start the engine with async_scheduling=False (--no-async-scheduling) for ersd")
@@ -722,7 +723,6 @@ def plan_for_runner(runner) -> BatchPlan:
     row_ids = torch.tensor([row_id for _, row_id in keys], dtype=torch.long)
     # a request under vLLM's own rule keeps vLLM's draft draws while vLLM schedules asynchronously
     # (its GPU default): keying them would add a host sync to each drafting pass of that pipeline
-    asynchronous = getattr(runner, "use_async_scheduling", False)
     seeded = [seed is not None and not (asynchronous and rule is None) for rule, seed in zip(rules, seeds)]
     return BatchPlan(rules=rules, positions=positions, row_ids=row_ids, row_seeds=row_seeds, seeded=seeded)
 

@@ -440,6 +440,27 @@ def test_openvino_genai_anchor_agrees_with_our_engine(ov_models, tmp_path, tiny_
     assert 0 < spec_metrics["target_infer_seconds"] + spec_metrics["draft_infer_seconds"] < res_sd.seconds
 
 
+def test_openvino_genai_speculative_anchor_samples_call_after_call(tmp_path, tiny_target, tiny_draft):
+    """GenAI's speculative decoding at T > 0, as the benchmark runs it (prompts one after another in
+    one pipeline): every call returns its tokens and drafts. With GenAI's default prefix cache a
+    call raises ``content_length <= prompt_ids.size() + m_generated_ids.size()`` and the pipeline
+    drafts nothing afterwards; :func:`speculative_scheduler` turns the cache off."""
+    pytest.importorskip("openvino_genai")
+    from quickdraft.evaluation.anchors import openvino_genai_generate, openvino_genai_pipeline
+
+    hf_t, hf_d = _save(tiny_target, tmp_path / "t"), _save(tiny_draft, tmp_path / "d")
+    assert _tokenizer_files(hf_t) and _tokenizer_files(hf_d)
+    genai_t = export(hf_t, tmp_path / "gt", "none", layout="genai", progress=False)
+    genai_d = export(hf_d, tmp_path / "gd", "none", layout="genai", progress=False)
+    spec = openvino_genai_pipeline(genai_t, genai_d, n_threads=1)
+    for seed in range(12):
+        prompt = [1 + seed % 5, 5, 9, 2 + seed % 3, 7]
+        res = openvino_genai_generate(spec, prompt, sampling=SamplingParams(temperature=1.0), max_new_tokens=24,
+                                      eos_token_ids={63}, seed=seed, num_assistant_tokens=4)
+        assert len(res.new_ids) >= 1
+        assert res.new_ids[-1] == 63 or res.speculative["drafted_tokens"] > 0
+
+
 def test_openvino_genai_anchor_can_compile_with_our_plugin_settings(tmp_path, monkeypatch):
     """``tuned=True`` hands each GenAI model the settings our runner would compile its export with."""
     openvino_genai = pytest.importorskip("openvino_genai")
@@ -457,8 +478,11 @@ def test_openvino_genai_anchor_can_compile_with_our_plugin_settings(tmp_path, mo
         (tmp_path / name).mkdir()
         (tmp_path / name / EXPORT_MANIFEST).write_text(json.dumps(manifest))
     openvino_genai_pipeline(tmp_path / "t", tmp_path / "d", n_threads=2, tuned=True)
+    scheduler = calls[1][1].pop("scheduler_config")
     assert calls == [("draft", {"INFERENCE_NUM_THREADS": 2, **tuned_config(manifests["d"], drafting=True)}),
                      ("target", {"INFERENCE_NUM_THREADS": 2, **tuned_config(manifests["t"]), "draft_model": "draft"})]
+    # GenAI's latency-oriented scheduler, its prefix cache off (with it, sampling raises: the next test)
+    assert not scheduler.enable_prefix_caching and scheduler.max_num_batched_tokens == 2**64 - 1
     assert calls[1][1]["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 256 and "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in calls[0][1]
     calls.clear()
     openvino_genai_pipeline(tmp_path / "t", n_threads=2)

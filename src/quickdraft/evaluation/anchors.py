@@ -150,7 +150,26 @@ def openvino_genai_pipeline(target_dir, draft_dir=None, *, n_threads: int | None
     if draft_dir is None:
         return openvino_genai.LLMPipeline(str(target_dir), "CPU", **properties(target_dir))
     draft = openvino_genai.draft_model(str(draft_dir), "CPU", **properties(draft_dir, drafting=True))
-    return openvino_genai.LLMPipeline(str(target_dir), "CPU", draft_model=draft, **properties(target_dir))
+    return openvino_genai.LLMPipeline(str(target_dir), "CPU", draft_model=draft, scheduler_config=speculative_scheduler(),
+                                      **properties(target_dir))
+
+
+def speculative_scheduler():
+    """The scheduler of GenAI's speculative pipeline: GenAI's own default for an ``LLMPipeline``
+    (no limit on the tokens batched in a step) without its prefix cache. With the prefix cache on,
+    ``openvino-genai==2026.4.1.0``'s speculative decoding at T > 0 raises ``content_length <=
+    prompt_ids.size() + m_generated_ids.size()`` (the hash of a cache block) and the pipeline then
+    drafts nothing on any later call (docs/openvino.md, "GenAI's speculative sampling")."""
+    import openvino_genai
+
+    config = openvino_genai.SchedulerConfig()
+    config.max_num_batched_tokens = SCHEDULER_UNLIMITED
+    config.enable_prefix_caching = False
+    return config
+
+
+#: ``max_num_batched_tokens`` of GenAI's latency-oriented default (``size_t``'s maximum)
+SCHEDULER_UNLIMITED = 2**64 - 1
 
 
 def openvino_genai_generate(
@@ -167,10 +186,11 @@ def openvino_genai_generate(
     """OpenVINO GenAI's ``generate`` on token ids: plain decoding, or its speculative decoding with
     ``num_assistant_tokens`` draft tokens per step (a pipeline made with a draft model).
 
-    The pipeline keeps its KV cache between calls and prefills only what follows the longest prefix
-    shared with the previous call's tokens. Unless ``reuse_prefix``, an untimed one-token call on a
-    prompt that shares no first token with ``prompt_ids`` runs first, so that the timed call
-    prefills its whole prompt, as every other engine in a benchmark does."""
+    The plain pipeline keeps its KV cache between calls and prefills only what follows the longest
+    prefix shared with the previous call's tokens (the speculative one has no prefix cache:
+    :func:`speculative_scheduler`). Unless ``reuse_prefix``, an untimed one-token call on a prompt
+    that shares no first token with ``prompt_ids`` runs first, so that the timed call prefills its
+    whole prompt, as every other engine in a benchmark does."""
     import numpy as np
     import openvino
     import openvino_genai

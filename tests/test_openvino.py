@@ -481,7 +481,8 @@ def test_openvino_genai_anchor_can_compile_with_our_plugin_settings(tmp_path, mo
     scheduler = calls[1][1].pop("scheduler_config")
     assert calls == [("draft", {"INFERENCE_NUM_THREADS": 2, **tuned_config(manifests["d"], drafting=True)}),
                      ("target", {"INFERENCE_NUM_THREADS": 2, **tuned_config(manifests["t"]), "draft_model": "draft"})]
-    # GenAI's latency-oriented scheduler, its prefix cache off (with it, sampling raises: the next test)
+    # GenAI's latency-oriented scheduler, its prefix cache off (with it on, sampling raises:
+    # test_openvino_genai_speculative_anchor_samples_call_after_call)
     assert not scheduler.enable_prefix_caching and scheduler.max_num_batched_tokens == 2**64 - 1
     assert calls[1][1]["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == 256 and "DYNAMIC_QUANTIZATION_GROUP_SIZE" not in calls[0][1]
     calls.clear()

@@ -10,17 +10,20 @@ three samplers of the same int8 target:
   export layout), rows of one batch drawing with their own keys.
 
 The prompt asks for a random two-digit number, so both tokens are uncertain (Qwen writes digits one
-token each) and the draft's law at the second token is far from the target's (total variation
-~0.25). The first new token comes from the prefill in both engines; the second is the first one a
-draft proposes and the target verifies. The exact law: the target's distribution after the prompt,
+token each) and the draft's law at the second token differs from the target's. The first new token
+comes from the prefill in both engines; each call asks for three new tokens, so that each engine
+drafts exactly one (K is capped by the tokens left; asked for two, GenAI drafts none), and the
+second new token is the one a draft proposes and the target verifies. The exact law: the target's distribution after the prompt,
 and after the prompt and each first token of probability above ``--min-first``, read from our
 int8 export in float32 arithmetic (``exact``); every pair outside those cells is pooled into one.
 Each sampler's pair counts are tested against it with Pearson's chi-square, cells expected below 5
-pooled (:func:`quickdraft.evaluation.fit.chi_square_pvalue`). GenAI's prefix cache is off (with it
-on, GenAI's speculative decoding at T > 0 raises ``content_length <= prompt_ids.size() +
-m_generated_ids.size()`` and then drafts nothing); every call prefills its whole prompt.
+pooled (:func:`quickdraft.evaluation.fit.chi_square_pvalue`). Both GenAI pipelines run the
+benchmark anchor's scheduler (:func:`quickdraft.evaluation.anchors.speculative_scheduler`: no
+prefix cache, with which GenAI's speculative decoding at T > 0 raises and then drafts nothing);
+every call prefills its whole prompt. A draw whose first token ends the answer falls in the
+pooled cell.
 
-    python benchmarks/studies/genai_sampling_fit.py --draws 600 --out benchmarks/results/genai_sampling_fit.json
+    python benchmarks/studies/genai_sampling_fit.py --draws 300 --out benchmarks/results/genai_sampling_fit.json
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ def genai_draws(target_dir: Path, draft_dir: Path | None, ids: list[int], n: int
     import openvino as ov
     import openvino_genai
 
-    scheduler = openvino_genai.SchedulerConfig()
-    scheduler.enable_prefix_caching = False
+    from quickdraft.evaluation.anchors import speculative_scheduler
+
+    scheduler = speculative_scheduler()
     props = {"INFERENCE_NUM_THREADS": threads}
     if draft_dir is None:
         pipe = openvino_genai.LLMPipeline(str(target_dir), "CPU", scheduler_config=scheduler, **props)
@@ -113,7 +117,7 @@ def quickdraft_draws(ids: list[int], n: int, temperature: float, k: int, batch: 
     return out, time.perf_counter() - start
 
 
-def fit(draws: list[tuple[int, int]], cells: dict, decode) -> dict:
+def fit_report(draws: list[tuple[int, int]], cells: dict, decode) -> dict:
     """Counts in the exact cells (plus one pooled cell), the chi-square p-value and the most
     frequent pairs drawn (text, share, exact probability)."""
     from collections import Counter
@@ -140,7 +144,7 @@ def fit(draws: list[tuple[int, int]], cells: dict, decode) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draws", type=int, default=600, help="draws per sampler")
+    ap.add_argument("--draws", type=int, default=300, help="draws per sampler")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (GenAI's num_assistant_tokens)")
     ap.add_argument("--min-first", type=float, default=1e-3, help="first tokens of the exact law's own cells")
@@ -171,7 +175,7 @@ def main() -> None:
         else:
             draws, seconds = genai_draws(genai["target"], genai["draft"] if arm == "genai-sd" else None, ids,
                                          args.draws, args.temperature, args.k, args.threads)
-        result["arms"][arm] = {**fit(draws, cells, lambda pair: tokenizer.decode([t for t in pair if t >= 0])), "seconds": round(seconds, 1)}
+        result["arms"][arm] = {**fit_report(draws, cells, lambda pair: tokenizer.decode([t for t in pair if t >= 0])), "seconds": round(seconds, 1)}
         print(arm, json.dumps({k: v for k, v in result["arms"][arm].items() if k not in ("top_cells", "most_drawn")}), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

@@ -154,22 +154,22 @@ def openvino_genai_pipeline(target_dir, draft_dir=None, *, n_threads: int | None
                                       **properties(target_dir))
 
 
+#: ``max_num_batched_tokens`` of GenAI's latency-oriented default (``size_t``'s maximum)
+SCHEDULER_UNLIMITED = 2**64 - 1
+
+
 def speculative_scheduler():
     """The scheduler of GenAI's speculative pipeline: GenAI's own default for an ``LLMPipeline``
     (no limit on the tokens batched in a step) without its prefix cache. With the prefix cache on,
     ``openvino-genai==2026.4.1.0``'s speculative decoding at T > 0 raises ``content_length <=
     prompt_ids.size() + m_generated_ids.size()`` (the hash of a cache block) and the pipeline then
-    drafts nothing on any later call (docs/openvino.md, "GenAI's speculative sampling")."""
+    drafts nothing on any later call (docs/openvino.md, "OpenVINO GenAI as an anchor")."""
     import openvino_genai
 
     config = openvino_genai.SchedulerConfig()
     config.max_num_batched_tokens = SCHEDULER_UNLIMITED
     config.enable_prefix_caching = False
     return config
-
-
-#: ``max_num_batched_tokens`` of GenAI's latency-oriented default (``size_t``'s maximum)
-SCHEDULER_UNLIMITED = 2**64 - 1
 
 
 def openvino_genai_generate(

@@ -13,12 +13,13 @@ The prompt asks for a random two-digit number, so both tokens are uncertain (Qwe
 token each) and the draft's law at the second token differs from the target's. The first new token
 comes from the prefill in both engines; each call asks for three new tokens, so that each engine
 drafts exactly one (K is capped by the tokens left; asked for two, GenAI drafts none), and the
-second new token is the one a draft proposes and the target verifies. The exact law: the target's distribution after the prompt,
-and after the prompt and each first token of probability above ``--min-first``, read from our
-int8 export in float32 arithmetic (``exact``); every pair outside those cells is pooled into one.
+second new token is the one a draft proposes and the target verifies. The exact law: the target's
+distribution after the prompt, and after the prompt and each first token of probability above
+``--min-first``, read from our int8 export in float32 arithmetic (``exact``); every pair outside
+those cells is pooled into one.
 Each sampler's pair counts are tested against it with Pearson's chi-square, cells expected below 5
 pooled (:func:`quickdraft.evaluation.fit.chi_square_pvalue`). Both GenAI pipelines run the
-benchmark anchor's scheduler (:func:`quickdraft.evaluation.anchors.speculative_scheduler`: no
+speculative anchor's scheduler (:func:`quickdraft.evaluation.anchors.speculative_scheduler`: no
 prefix cache, with which GenAI's speculative decoding at T > 0 raises and then drafts nothing);
 every call prefills its whole prompt. A draw whose first token ends the answer falls in the
 pooled cell.

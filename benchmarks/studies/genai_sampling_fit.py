@@ -69,20 +69,19 @@ def exact_cells(target_dir: Path, ids: list[int], temperature: float, min_first:
 
 def genai_draws(target_dir: Path, draft_dir: Path | None, ids: list[int], n: int, temperature: float,
                 k: int, threads: int) -> tuple[list[tuple[int, int]], float]:
-    """``n`` draws of GenAI's pipeline (seeds 0 … n-1), three new tokens each; the first two kept."""
+    """``n`` draws of GenAI's pipeline (seeds 0 … n-1), three new tokens each; the first two kept.
+    With ``draft_dir`` the pipeline is the benchmark's speculative anchor itself; without, plain
+    sampling on the same scheduler."""
     import openvino as ov
     import openvino_genai
 
-    from quickdraft.evaluation.anchors import speculative_scheduler
+    from quickdraft.evaluation.anchors import openvino_genai_pipeline, speculative_scheduler
 
-    scheduler = speculative_scheduler()
-    props = {"INFERENCE_NUM_THREADS": threads}
     if draft_dir is None:
-        pipe = openvino_genai.LLMPipeline(str(target_dir), "CPU", scheduler_config=scheduler, **props)
+        pipe = openvino_genai.LLMPipeline(str(target_dir), "CPU", scheduler_config=speculative_scheduler(),
+                                          INFERENCE_NUM_THREADS=threads)
     else:
-        draft = openvino_genai.draft_model(str(draft_dir), "CPU", **props)
-        pipe = openvino_genai.LLMPipeline(str(target_dir), "CPU", draft_model=draft, scheduler_config=scheduler,
-                                          **props)
+        pipe = openvino_genai_pipeline(target_dir, draft_dir, n_threads=threads)
     prompt = ov.Tensor(np.asarray([ids], dtype=np.int64))
     out, start = [], time.perf_counter()
     for seed in range(n):

@@ -283,13 +283,20 @@ def forward_costs(pipes: dict, prompt_ids: list[int], ms=(1, 2, 5, 9, 16), repea
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
+def _utc_now() -> str:
+    """The wall-clock time in UTC, to the second (when a run started and finished)."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     result: dict = {
         "command": "python benchmarks/bench_perf.py " + " ".join(args.argv),
         "machine": {"cpu": platform.processor() or platform.machine(), **_lscpu(), "threads": args.threads,
-                    "torch": torch.__version__, "loadavg_start": list(_loadavg())},
+                    "torch": torch.__version__, "loadavg_start": list(_loadavg()), "started": _utc_now()},
         "note": "shared machine: compare ratios within this file, not absolute figures across files",
     }
     if not args.skip_bandwidth:
@@ -441,6 +448,7 @@ def run(args: argparse.Namespace) -> dict:
     if result["memory_status"].get("VmHWM"):  # one config per process makes this the target ratio
         result["peak_rss_over_weights"] = result["memory_status"]["VmHWM"] / held
     result["loadavg_end"] = list(_loadavg())
+    result["machine"]["finished"] = _utc_now()
     result.update(max_new_tokens=args.max_new_tokens, k=args.k, prompts=[p.id for p in problems], rows=rows)
     return result
 

@@ -189,8 +189,8 @@ def openvino_genai_generate(
     The plain pipeline keeps its KV cache between calls and prefills only what follows the longest
     prefix shared with the previous call's tokens (the speculative one has no prefix cache:
     :func:`speculative_scheduler`). Unless ``reuse_prefix``, an untimed one-token call on a prompt
-    that shares no first token with ``prompt_ids`` runs first, so that the timed call prefills its
-    whole prompt, as every other engine in a benchmark does."""
+    that shares no first token with ``prompt_ids`` runs first in the plain pipeline, so that the
+    timed call prefills its whole prompt, as every other engine in a benchmark does."""
     import numpy as np
     import openvino
     import openvino_genai
@@ -209,7 +209,7 @@ def openvino_genai_generate(
     if num_assistant_tokens:
         config.num_assistant_tokens = int(num_assistant_tokens)
     ids = openvino.Tensor(np.asarray([prompt_ids], dtype=np.int64))
-    if not reuse_prefix:
+    if not reuse_prefix and not num_assistant_tokens:  # the speculative pipeline keeps no prefix
         other = openvino.Tensor(np.asarray([[1 if prompt_ids[0] != 1 else 2]], dtype=np.int64))
         flush = openvino_genai.GenerationConfig()
         flush.max_new_tokens = 1

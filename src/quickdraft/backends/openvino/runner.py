@@ -22,6 +22,7 @@ returns: a lossless method is lossless with respect to *this* backend's distribu
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import time
 from contextlib import nullcontext
@@ -292,18 +293,23 @@ class OpenVINORunner:
         return int((self.slot_pos < 0).sum()) // max(1, self.batch_size)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _infer(self, tokens: torch.Tensor, positions: torch.Tensor, mask: np.ndarray, keep: int,
+    def _infer(self, tokens: torch.Tensor, positions: np.ndarray, mask: np.ndarray, keep: int,
                output_hidden: bool) -> ForwardOutput:
-        m = tokens.shape[1]
+        b, m = tokens.shape
+        ov = import_openvino()
         feed = {
-            "input_ids": tokens.to(torch.long).numpy(),
+            "input_ids": np.ascontiguousarray(tokens.to(torch.long).numpy()),
             "attention_mask": mask,
-            "position_ids": positions.to(torch.long).numpy(),
+            "position_ids": np.ascontiguousarray(positions, dtype=np.int64),
             "logits_index": np.arange(m - keep, m, dtype=np.int64),
-            "beam_idx": np.arange(tokens.shape[0], dtype=np.int32),  # rows stay in place
+            "beam_idx": np.arange(b, dtype=np.int32),  # rows stay in place
         }
         start = time.perf_counter()
-        self.request.infer(feed)
+        # the runtime reads the arrays in place (they live until the call returns), and its outputs
+        # stay in the request until the one copy below: no conversion or copy on either side
+        for name, array in feed.items():
+            self.request.set_tensor(name, ov.Tensor(array, shared_memory=True))
+        self.request.infer(share_outputs=True)
         self.infer_seconds += time.perf_counter() - start
         self.num_forwards += 1
         logits = torch.from_numpy(np.array(self.request.get_tensor("logits").data, copy=True))  # [B, keep, V']
@@ -316,8 +322,8 @@ class OpenVINORunner:
             hidden = torch.from_numpy(np.array(self.request.get_tensor("hidden").data, copy=True))  # [B, keep, H]
         return ForwardOutput(logits=logits, hidden=hidden)
 
-    def _check_overflow(self, positions: torch.Tensor) -> None:
-        if positions.numel() and int(positions.max()) >= self.max_positions:
+    def _check_overflow(self, positions: np.ndarray) -> None:
+        if positions.size and int(positions.max()) >= self.max_positions:
             raise QuickdraftError(
                 f"{self.name}: context overflow: position {int(positions.max())} exceeds the model's "
                 f"maximum of {self.max_positions} tokens; shorten the prompt or max_new_tokens"
@@ -352,21 +358,30 @@ class OpenVINORunner:
             raise QuickdraftError(f"{self.name}: batch of {b} rows, cache has {self.batch_size}")
         if self.tree_start is not None:
             raise QuickdraftError(f"{self.name}: forward() while a tree session is open; commit_tree() first")
-        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
-        positions = self.lengths.unsqueeze(1) + (valid.long().cumsum(dim=-1) - 1).clamp_min(0)  # [B, m]
-        self._check_overflow(positions)
-        keep = m if logits_to_keep <= 0 else min(int(logits_to_keep), m)
+        # NumPy throughout: a handful of small array operations per call (the engine makes several
+        # calls a step, and torch's per-operation overhead would be most of its own time)
+        slots = self.slot_pos.numpy()  # [B, L]
+        lengths = self.lengths.numpy()  # [B]
+        width = slots.shape[1]
         # [B, 1, m, L + m]: every valid committed slot, then the block's valid tokens causally;
         # a token always sees itself, so no row of the softmax is empty (padding rows included)
-        past_visible = (self.slot_pos >= 0).unsqueeze(1).expand(b, m, -1)  # [B, m, L]
-        causal = torch.ones(m, m, dtype=torch.bool).tril()
-        block = causal.unsqueeze(0) & valid.unsqueeze(1)  # [B, m, m]
-        block |= torch.eye(m, dtype=torch.bool).unsqueeze(0)
-        mask = _additive(torch.cat([past_visible, block], dim=2))
+        mask = np.empty((b, 1, m, width + m), np.float32)
+        mask[:, 0, :, :width] = np.where(slots >= 0, np.float32(0.0), _BLOCKED)[:, None, :]
+        if valid is None:
+            positions = lengths[:, None] + np.arange(m, dtype=np.int64)  # [B, m]
+            mask[:, 0, :, width:] = _causal_additive(m)
+            new_slots, grown, live = positions, lengths + m, None
+        else:
+            v = valid.to(torch.bool).cpu().numpy()  # [B, m]
+            positions = lengths[:, None] + np.maximum(np.cumsum(v, axis=-1) - 1, 0)
+            allowed = (np.tri(m, dtype=bool)[None] & v[:, None, :]) | np.eye(m, dtype=bool)[None]
+            mask[:, 0, :, width:] = np.where(allowed, np.float32(0.0), _BLOCKED)
+            new_slots, grown, live = np.where(v, positions, -1), lengths + v.sum(axis=-1), torch.from_numpy(v[:, -1])
+        self._check_overflow(positions)
+        keep = m if logits_to_keep <= 0 else min(int(logits_to_keep), m)
         out = self._infer(tokens, positions, mask, keep, output_hidden)
-        self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], dim=1)
-        self.lengths = self.lengths + valid.long().sum(dim=-1)
-        live = valid[:, -1]
+        self.slot_pos = torch.from_numpy(np.concatenate([slots, new_slots], axis=1))
+        self.lengths = torch.from_numpy(grown)
         check_finite(out.logits, f"the {self.name} model", rows=live)
         return out
 
@@ -410,14 +425,14 @@ class OpenVINORunner:
             )
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
         positions = self.lengths.unsqueeze(1) + depths.cpu().long()  # [B, m]
-        self._check_overflow(positions)
+        self._check_overflow(positions.numpy())
         prefix_visible = (self.slot_pos[:, : self.tree_start] >= 0).unsqueeze(1).expand(b, m, -1)  # [B, m, P]
         block = tree_mask.cpu().to(torch.bool).clone()  # [B, m, T + m]
         block[:, :, :t] &= (self.slot_pos[:, self.tree_start:] >= 0).unsqueeze(1)
         block[:, :, t:] &= valid.unsqueeze(1)
         block[:, :, t:] |= torch.eye(m, dtype=torch.bool)
         mask = _additive(torch.cat([prefix_visible, block], dim=2))
-        out = self._infer(tokens, positions, mask, m, output_hidden)
+        out = self._infer(tokens, positions.numpy(), mask, m, output_hidden)
         self.slot_pos = torch.cat([self.slot_pos, torch.where(valid, positions, -1)], dim=1)
         check_finite(out.logits, f"the {self.name} model", rows=valid)
         return out
@@ -520,6 +535,14 @@ def _additive(allowed: torch.Tensor) -> np.ndarray:
     """``[B, m, L]`` bool -> ``[B, 1, m, L]`` float32 additive mask (0 where allowed, -inf elsewhere)."""
     mask = np.where(allowed.numpy(), np.float32(0.0), _BLOCKED).astype(np.float32)
     return mask[:, None]
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_additive(m: int) -> np.ndarray:
+    """``[m, m]`` float32 additive mask of a block of ``m`` tokens: each sees itself and those before it."""
+    mask = np.where(np.tri(m, dtype=bool), np.float32(0.0), _BLOCKED).astype(np.float32)
+    mask.setflags(write=False)
+    return mask
 
 
 def _head_ids(export_info: dict) -> torch.Tensor | None:

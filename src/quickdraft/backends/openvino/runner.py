@@ -223,6 +223,7 @@ class OpenVINORunner:
         self.weight_pages = WeightPages(path)
         self.num_forwards = 0
         self.infer_seconds = 0.0
+        self._feed: dict | None = None  # the last call's inputs, which the request points at
         #: what the CPU plugin was compiled with
         self.plugin_config = compile_config(threads, kv_cache_precision, inference_precision, exact,
                                             tuned_config(self.export_info, drafting) if tuned else None)
@@ -250,6 +251,7 @@ class OpenVINORunner:
         twin = copy.copy(self)
         twin.request = self.compiled.create_infer_request()
         twin._states = list(twin.request.query_state())
+        twin._feed = None
         twin.num_forwards, twin.infer_seconds = 0, 0.0
         twin.reset(0)
         return twin
@@ -305,10 +307,12 @@ class OpenVINORunner:
             "beam_idx": np.arange(b, dtype=np.int32),  # rows stay in place
         }
         start = time.perf_counter()
-        # the runtime reads the arrays in place (they live until the call returns), and its outputs
-        # stay in the request until the one copy below: no conversion or copy on either side
+        # the runtime reads the arrays in place, without the input dispatcher's copies (the request
+        # points at them until the next call: ``_feed`` keeps them alive), and the outputs stay in
+        # the request until the copy below
         for name, array in feed.items():
             self.request.set_tensor(name, ov.Tensor(array, shared_memory=True))
+        self._feed = feed
         self.request.infer(share_outputs=True)
         self.infer_seconds += time.perf_counter() - start
         self.num_forwards += 1
@@ -369,7 +373,7 @@ class OpenVINORunner:
         mask[:, 0, :, :width] = np.where(slots >= 0, np.float32(0.0), _BLOCKED)[:, None, :]
         if valid is None:
             positions = lengths[:, None] + np.arange(m, dtype=np.int64)  # [B, m]
-            mask[:, 0, :, width:] = _causal_additive(m)
+            mask[:, 0, :, width:] = _causal_additive(m) if m <= _CACHED_BLOCK else _causal_block(m)
             new_slots, grown, live = positions, lengths + m, None
         else:
             v = valid.to(torch.bool).cpu().numpy()  # [B, m]
@@ -529,6 +533,7 @@ class OpenVINORunner:
     def close(self) -> None:
         self.request = None
         self.compiled = None
+        self._feed = None
 
 
 def _additive(allowed: torch.Tensor) -> np.ndarray:
@@ -537,10 +542,20 @@ def _additive(allowed: torch.Tensor) -> np.ndarray:
     return mask[:, None]
 
 
-@functools.lru_cache(maxsize=16)
-def _causal_additive(m: int) -> np.ndarray:
+#: blocks up to this many tokens (drafts and verifications) reuse one causal mask each; a prompt's
+#: block is built when it comes
+_CACHED_BLOCK = 64
+
+
+def _causal_block(m: int) -> np.ndarray:
     """``[m, m]`` float32 additive mask of a block of ``m`` tokens: each sees itself and those before it."""
-    mask = np.where(np.tri(m, dtype=bool), np.float32(0.0), _BLOCKED).astype(np.float32)
+    return np.where(np.tri(m, dtype=bool), np.float32(0.0), _BLOCKED)
+
+
+@functools.lru_cache(maxsize=_CACHED_BLOCK)
+def _causal_additive(m: int) -> np.ndarray:
+    """:func:`_causal_block` of a small block, built once (read-only)."""
+    mask = _causal_block(m)
     mask.setflags(write=False)
     return mask
 
